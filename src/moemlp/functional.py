@@ -1,0 +1,307 @@
+"""grouped_mlp(): validation, backend choice, the custom ops and the one autograd.Function.
+
+Layers, as in quack: backend functions (reference.py / kernels/) → two ``torch.library`` custom
+ops, ``moemlp::grouped_mlp_fwd`` and ``moemlp::grouped_mlp_bwd`` (opaque to ``torch.compile``,
+so ``fullgraph=True`` holds although the torch backend has data-dependent shapes inside) → one
+``autograd.Function`` → ``grouped_mlp``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+from ._config import MLPConfig
+from ._validate import validate_inputs, validate_split_values
+from .activations import ACTIVATIONS, resolve_activation
+
+__all__ = ["grouped_mlp"]
+
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def _recipes():
+    from . import recipes
+
+    return recipes
+
+
+def _kernels():
+    """The Triton backend module, or None when triton cannot be imported here."""
+    try:
+        from . import kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+def _backend_module(name: str):
+    return reference if name == "torch" else _kernels()
+
+
+def _make_config(
+    activation: str, activation_params, glu_interleave: int, scale_fc2_bias: bool, recipe_key: str
+) -> MLPConfig:
+    recipe = _recipes().from_key(recipe_key) if recipe_key else None
+    return MLPConfig(
+        activation=ACTIVATIONS[activation],
+        activation_params=tuple(float(p) for p in activation_params),
+        glu_interleave=int(glu_interleave),
+        scale_fc2_bias=bool(scale_fc2_bias),
+        recipe=recipe,
+    )
+
+
+# --- the two custom ops -----------------------------------------------------------------------
+
+
+@torch.library.custom_op("moemlp::grouped_mlp_fwd", mutates_args=())
+def _grouped_mlp_fwd_op(
+    x: Tensor,
+    splits: Tensor,
+    probs: Optional[Tensor],
+    fc1_weight: Tensor,
+    fc2_weight: Tensor,
+    fc1_bias: Optional[Tensor],
+    fc2_bias: Optional[Tensor],
+    activation: str,
+    activation_params: list[float],
+    glu_interleave: int,
+    scale_fc2_bias: bool,
+    recipe: str,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    cfg = _make_config(activation, activation_params, glu_interleave, scale_fc2_bias, recipe)
+    return _backend_module(backend).grouped_mlp_fwd(
+        x, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, cfg
+    )
+
+
+@_grouped_mlp_fwd_op.register_fake
+def _(x, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *args):
+    return x.new_empty(x.shape), x.new_empty((x.shape[0], fc1_weight.shape[1]))
+
+
+@torch.library.custom_op("moemlp::grouped_mlp_bwd", mutates_args=())
+def _grouped_mlp_bwd_op(
+    dy: Tensor,
+    x: Tensor,
+    h: Tensor,
+    splits: Tensor,
+    probs: Optional[Tensor],
+    fc1_weight: Tensor,
+    fc2_weight: Tensor,
+    fc1_bias: Optional[Tensor],
+    fc2_bias: Optional[Tensor],
+    activation: str,
+    activation_params: list[float],
+    glu_interleave: int,
+    scale_fc2_bias: bool,
+    recipe: str,
+    backend: str,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    cfg = _make_config(activation, activation_params, glu_interleave, scale_fc2_bias, recipe)
+    grads = _backend_module(backend).grouped_mlp_bwd(
+        dy, x, h, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, cfg, tuple(needs)
+    )
+    # A custom op returns tensors only: a gradient that was not asked for is an empty tensor.
+    return tuple(g if g is not None else x.new_empty(0) for g in grads)
+
+
+def _grad_like(t: Optional[Tensor], need: bool, x: Tensor) -> Tensor:
+    return t.new_empty(t.shape) if (need and t is not None) else x.new_empty(0)
+
+
+@_grouped_mlp_bwd_op.register_fake
+def _(dy, x, h, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *args):
+    needs = args[-1]
+    return tuple(
+        _grad_like(t, need, x)
+        for t, need in zip((x, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias), needs)
+    )
+
+
+# --- autograd ---------------------------------------------------------------------------------
+
+
+class _GroupedMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        x,
+        splits,
+        probs,
+        fc1_weight,
+        fc2_weight,
+        fc1_bias,
+        fc2_bias,
+        activation,
+        activation_params,
+        glu_interleave,
+        scale_fc2_bias,
+        recipe_key,
+        backend,
+    ):
+        y, h = _grouped_mlp_fwd_op(
+            x,
+            splits,
+            probs,
+            fc1_weight,
+            fc2_weight,
+            fc1_bias,
+            fc2_bias,
+            activation,
+            activation_params,
+            glu_interleave,
+            scale_fc2_bias,
+            recipe_key,
+            backend,
+        )
+        # Kept for backward: x, h (compute dtype), probs and the weights; a and z are recomputed.
+        ctx.save_for_backward(x, h, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias)
+        ctx.options = (activation, activation_params, glu_interleave, scale_fc2_bias, recipe_key, backend)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, h, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        needs = [n[0], n[2] and probs is not None, n[3], n[4], n[5] and fc1_bias is not None,
+                 n[6] and fc2_bias is not None]
+        dx, dprobs, dw1, dw2, db1, db2 = _grouped_mlp_bwd_op(
+            dy.contiguous(),
+            x,
+            h,
+            splits,
+            probs,
+            fc1_weight,
+            fc2_weight,
+            fc1_bias,
+            fc2_bias,
+            *ctx.options,
+            needs,
+        )
+        return (
+            dx if needs[0] else None,  # x
+            None,  # splits
+            dprobs if needs[1] else None,  # probs
+            dw1 if needs[2] else None,  # fc1_weight
+            dw2 if needs[3] else None,  # fc2_weight
+            db1 if needs[4] else None,  # fc1_bias
+            db2 if needs[5] else None,  # fc2_bias
+            None,  # activation
+            None,  # activation_params
+            None,  # glu_interleave
+            None,  # scale_fc2_bias
+            None,  # recipe_key
+            None,  # backend
+        )
+
+
+# --- the public function ----------------------------------------------------------------------
+
+
+def _resolve_backend(backend, x: Tensor, recipe) -> str:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {list(_BACKENDS)}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    kernels = _kernels()
+    reason = None
+    if kernels is None:
+        reason = "triton is not installed (pip install 'moemlp[triton]')"
+    elif x.dtype == torch.float64:
+        reason = "the Triton kernels take bf16, fp16 or fp32 inputs; float64 runs on backend='torch'"
+    elif not kernels.is_available(x.device):
+        reason = kernels.unavailable_reason(x.device)
+    elif recipe is not None and not kernels.supports_recipe(recipe):
+        reason = f"recipe {recipe.key!r} has no Triton implementation yet; it runs on backend='torch'"
+    if backend == "auto":
+        return "torch" if reason is not None else "triton"
+    if reason is not None:
+        raise ValueError(f"backend: 'triton' cannot run this call: {reason}")
+    return "triton"
+
+
+def grouped_mlp(
+    x: Tensor,
+    splits: Tensor,
+    probs: Optional[Tensor],
+    fc1_weight: Tensor,
+    fc2_weight: Tensor,
+    fc1_bias: Optional[Tensor] = None,
+    fc2_bias: Optional[Tensor] = None,
+    *,
+    activation: str = "swiglu",
+    activation_params: Optional[Mapping[str, float]] = None,
+    glu_interleave: Optional[int] = None,
+    scale_fc2_bias: bool = False,
+    recipe=None,
+    backend: str = "auto",
+) -> Tensor:
+    """The expert block of an MoE layer for all experts at once (SPEC §1).
+
+    Args:
+        x: (M, H) bf16 / fp16 / fp32 (float64 on the torch backend); rows grouped by expert.
+        splits: (E,) int32/int64 rows per expert, any device; rows past Σsplits are capacity
+            padding (outputs and gradients 0). CPU splits are checked on the host; device splits
+            are never read on the host by the Triton path (bad values are clamped, not raised).
+        probs: (M,) fp32 / bf16 / fp16 per-row scale (the router probability), or None (= 1).
+            Used in fp32; its gradient is computed in fp32 and returned in probs.dtype.
+        fc1_weight: (E, N1, H), N1 = 2F for GLU activations (gate first, then up), F otherwise.
+        fc2_weight: (E, H, F).
+        fc1_bias, fc2_bias: (E, N1), (E, H) or None.
+        activation: 'swiglu', 'clamped_swiglu', 'situglu', 'geglu', 'srelu' or 'gelu'.
+        activation_params: the activation's parameters by name, e.g. ``{"limit": 7.0}``.
+        glu_interleave: g, with fc1 columns in blocks [gate g | up g | ...]; None = two halves.
+        scale_fc2_bias: multiply fc2_bias by probs.
+        recipe: None, a recipe name ('fp8_block', 'mxfp8', 'nvfp4') or a recipe object.
+        backend: 'auto' (Triton on CUDA when it can run the call, else torch), 'torch', 'triton'.
+
+    Non-contiguous tensors are copied to contiguous ones once, here, before the ops run.
+
+    Returns:
+        y (M, H) in x.dtype.
+    """
+    spec, params = resolve_activation(activation, activation_params)
+    M, _, _, g = validate_inputs(
+        x,
+        splits,
+        probs,
+        fc1_weight,
+        fc2_weight,
+        fc1_bias,
+        fc2_bias,
+        glu=spec.glu,
+        glu_interleave=glu_interleave,
+        scale_fc2_bias=scale_fc2_bias,
+    )
+    recipe_obj = None if recipe is None else _recipes().resolve_recipe(recipe)
+    be = _resolve_backend(backend, x, recipe_obj)
+    if splits.device.type == "cpu" or be == "torch":
+        validate_split_values(splits, M)
+    if recipe_obj is not None and x.dtype == torch.float64:
+        raise TypeError("recipe: block-scaled recipes take bf16, fp16 or fp32 inputs, got float64 x")
+    if splits.device != x.device:
+        splits = splits.to(x.device, non_blocking=True)
+    return _GroupedMLPFunction.apply(
+        x.contiguous(),
+        splits.contiguous(),
+        probs.contiguous() if probs is not None else None,
+        fc1_weight.contiguous(),
+        fc2_weight.contiguous(),
+        fc1_bias.contiguous() if fc1_bias is not None else None,
+        fc2_bias.contiguous() if fc2_bias is not None else None,
+        spec.name,
+        list(params),
+        g,
+        scale_fc2_bias,
+        recipe_obj.key if recipe_obj is not None else "",
+        be,
+    )

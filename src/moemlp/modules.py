@@ -1,0 +1,113 @@
+"""GroupedMLP: the expert weights of one MoE layer as an nn.Module over grouped_mlp()."""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .activations import resolve_activation
+from .functional import grouped_mlp
+
+__all__ = ["GroupedMLP"]
+
+
+class GroupedMLP(nn.Module):
+    """E experts' FC1 → activation · probs → FC2, computed for all experts in one call.
+
+    Parameters: ``fc1_weight`` (E, N1, H), ``fc2_weight`` (E, H, F) and, with ``bias=True``,
+    ``fc1_bias`` (E, N1), ``fc2_bias`` (E, H); N1 = 2F for GLU activations. Weights are drawn as
+    ``nn.Linear`` draws them per expert (uniform ±1/sqrt(fan_in)), biases start at zero.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        activation: str = "swiglu",
+        activation_params: Optional[Mapping[str, float]] = None,
+        bias: bool = False,
+        scale_fc2_bias: bool = False,
+        glu_interleave: Optional[int] = None,
+        recipe=None,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
+                        ("ffn_hidden_size", ffn_hidden_size)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+            if v < 1:
+                raise ValueError(f"{name}: expected >= 1, got {v}")
+        spec, _ = resolve_activation(activation, activation_params)  # fail at construction
+        if glu_interleave is not None and (
+            not spec.glu or isinstance(glu_interleave, bool) or not isinstance(glu_interleave, int)
+            or glu_interleave < 1 or ffn_hidden_size % glu_interleave
+        ):
+            raise ValueError(
+                f"glu_interleave: expected None or a positive divisor of ffn_hidden_size = "
+                f"{ffn_hidden_size} with a GLU activation, got {glu_interleave!r} with {activation!r}"
+            )
+        if recipe is not None:
+            from .recipes import resolve_recipe
+
+            resolve_recipe(recipe)  # fail at construction, not at the first forward
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.activation = activation
+        self.activation_params = dict(activation_params or {})
+        self.scale_fc2_bias = scale_fc2_bias
+        self.glu_interleave = glu_interleave
+        self.recipe = recipe
+        self.backend = backend
+        n1 = 2 * ffn_hidden_size if spec.glu else ffn_hidden_size
+        kw = {"device": device, "dtype": dtype}
+        self.fc1_weight = nn.Parameter(torch.empty(num_experts, n1, hidden_size, **kw))
+        self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size, **kw))
+        if bias:
+            self.fc1_bias = nn.Parameter(torch.empty(num_experts, n1, **kw))
+            self.fc2_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
+        else:
+            self.register_parameter("fc1_bias", None)
+            self.register_parameter("fc2_bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for w in (self.fc1_weight, self.fc2_weight):
+                bound = 1.0 / math.sqrt(w.shape[-1])
+                w.uniform_(-bound, bound)
+            for b in (self.fc1_bias, self.fc2_bias):
+                if b is not None:
+                    b.zero_()
+
+    def forward(self, x: Tensor, splits: Tensor, probs: Optional[Tensor] = None) -> Tensor:
+        return grouped_mlp(
+            x,
+            splits,
+            probs,
+            self.fc1_weight,
+            self.fc2_weight,
+            self.fc1_bias,
+            self.fc2_bias,
+            activation=self.activation,
+            activation_params=self.activation_params,
+            glu_interleave=self.glu_interleave,
+            scale_fc2_bias=self.scale_fc2_bias,
+            recipe=self.recipe,
+            backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}, "
+            f"bias={self.fc1_bias is not None}, recipe={self.recipe!r}, backend={self.backend!r}"
+        )
