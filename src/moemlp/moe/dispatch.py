@@ -1,0 +1,203 @@
+"""Dispatch and combine on one device: (token, k) slots sorted by expert, rows gathered into expert
+order, expert outputs summed back per token.
+
+Everything here runs on the device without a host read (CUDA-graph capturable):
+
+    sorted_expert, perm = sort(expert_idx.flatten(), stable)     stable: ties keep (t, k) order
+    splits[e]  = #slots with expert <= e  −  #slots with expert < e      (searchsorted, no bincount:
+                 torch.bincount on CUDA reads max() on the host)
+    src_token  = perm // K          row i of the permuted batch copies token src_token[i]
+    row_of     = perm⁻¹ as (T, K)   permuted row of each (token, k) slot
+
+Permute and unpermute are adjoint gathers, so neither direction needs a scatter or an atomic:
+
+    permute    x_perm[i] = x[src_token[i]]             backward: dx[t] = Σ_k g[row_of[t, k]]
+    unpermute  y[t] = Σ_k y_perm[row_of[t, k]]         backward: dy_perm[i] = dy[src_token[i]]
+
+The k-sum runs in k order in fp32 (fp64 for fp64) with one rounding per output element: the
+combine is deterministic and the Triton kernels (_kernels.py) and the torch path agree bit for bit.
+The router probabilities travel beside the rows in fp32 (``permute_probs``) and are applied inside
+the grouped MLP, whose fp32 dprobs come back through the same bijection.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DispatchPlan",
+    "plan_dispatch",
+    "permute",
+    "permute_probs",
+    "unpermute",
+    "shuffle_rows",
+    "use_triton",
+    "local_moe_forward",
+]
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+class DispatchPlan(NamedTuple):
+    splits: Tensor  # (E,) int64, rows per expert, on the device
+    src_token: Tensor  # (T·K,) int64, token copied into each permuted row
+    perm: Tensor  # (T·K,) int64, flat slot t·K + k of each permuted row
+    row_of: Tensor  # (T, K) int64, permuted row of each (token, k) slot
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(backend: str, device: torch.device) -> bool:
+    """Whether the dispatch gathers run as Triton kernels: on CUDA unless backend="torch"; on CPU
+    only for backend="triton" under TRITON_INTERPRET=1 (the CPU suite's way to run kernel code)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
+    if backend == "torch":
+        return False
+    if device.type == "cuda":
+        return True
+    if backend == "triton":
+        if not _interpreting():
+            raise ValueError("backend: 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 on CPU")
+        return True
+    return False
+
+
+def plan_dispatch(expert_idx: Tensor, num_experts: int) -> DispatchPlan:
+    """Sort the (T, K) expert choices by expert; see the module docstring."""
+    num_tokens, top_k = expert_idx.shape
+    flat = expert_idx.reshape(-1)
+    sorted_expert, perm = torch.sort(flat, stable=True)
+    experts = torch.arange(num_experts, device=flat.device, dtype=sorted_expert.dtype)
+    ends = torch.searchsorted(sorted_expert, experts, right=True)
+    splits = torch.diff(ends, prepend=ends.new_zeros(1))
+    src_token = torch.div(perm, top_k, rounding_mode="floor")
+    rows = torch.arange(flat.numel(), device=flat.device, dtype=perm.dtype)
+    # perm is a permutation: each index written once, so the scatter is deterministic.
+    row_of = torch.empty_like(perm).scatter_(0, perm, rows).view(num_tokens, top_k)
+    return DispatchPlan(splits, src_token, perm, row_of)
+
+
+# --- the two gathers, torch and Triton ----------------------------------------------------------
+
+
+def _gather(src: Tensor, index: Tensor, triton: bool) -> Tensor:
+    if triton and src.dim() == 2:
+        from . import _kernels
+
+        return _kernels.gather_rows(src.contiguous(), index)
+    return src.index_select(0, index)
+
+
+def _gather_sum(src: Tensor, index: Tensor, triton: bool) -> Tensor:
+    """out[t] = Σ_k src[index[t, k]], fp32 (fp64) accumulation in k order, one rounding."""
+    if triton:
+        from . import _kernels
+
+        return _kernels.gather_sum_rows(src.contiguous(), index)
+    acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
+    acc = src.index_select(0, index[:, 0]).to(acc_dtype)
+    for k in range(1, index.shape[1]):  # K (top_k) launches, not a per-token loop
+        acc = acc + src.index_select(0, index[:, k]).to(acc_dtype)
+    return acc.to(src.dtype)
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, src_token: Tensor, row_of: Tensor, triton: bool) -> Tensor:
+        ctx.save_for_backward(src_token, row_of)
+        ctx.triton = triton
+        return _gather(x, src_token, triton)
+
+    @staticmethod
+    def backward(ctx, grad_perm: Tensor):
+        src_token, row_of = ctx.saved_tensors
+        return (
+            _gather_sum(grad_perm.contiguous(), row_of, ctx.triton),  # x
+            None,  # src_token
+            None,  # row_of
+            None,  # triton
+        )
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_perm: Tensor, row_of: Tensor, src_token: Tensor, triton: bool) -> Tensor:
+        ctx.save_for_backward(src_token, row_of)
+        ctx.triton = triton
+        return _gather_sum(y_perm, row_of, triton)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        src_token, row_of = ctx.saved_tensors
+        return (
+            _gather(grad_y.contiguous(), src_token, ctx.triton),  # y_perm
+            None,  # row_of
+            None,  # src_token
+            None,  # triton
+        )
+
+
+class _Shuffle(torch.autograd.Function):
+    """out = src[index] for a bijection ``index``; backward gathers by ``inverse`` (no scatter)."""
+
+    @staticmethod
+    def forward(ctx, src: Tensor, index: Tensor, inverse: Tensor, triton: bool) -> Tensor:
+        ctx.save_for_backward(inverse, index)
+        ctx.triton = triton
+        return _gather(src, index, triton)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        inverse, _ = ctx.saved_tensors
+        return (
+            _gather(grad_out.contiguous(), inverse, ctx.triton),  # src
+            None,  # index
+            None,  # inverse
+            None,  # triton
+        )
+
+
+def permute(x: Tensor, plan: DispatchPlan, triton: bool = False) -> Tensor:
+    """(T, H) tokens -> (T·K, H) rows grouped by expert."""
+    return _Permute.apply(x, plan.src_token, plan.row_of, triton)
+
+
+def permute_probs(probs: Tensor, plan: DispatchPlan) -> Tensor:
+    """(T, K) fp32 router probabilities -> (T·K,) fp32 beside the permuted rows; never rounded."""
+    return _Shuffle.apply(probs.reshape(-1), plan.perm, plan.row_of.reshape(-1), False)
+
+
+def unpermute(y_perm: Tensor, plan: DispatchPlan, triton: bool = False) -> Tensor:
+    """(T·K, H) expert outputs (already scaled by probs) -> (T, H), summed over k in k order."""
+    return _Unpermute.apply(y_perm, plan.row_of, plan.src_token, triton)
+
+
+def shuffle_rows(src: Tensor, index: Tensor, inverse: Tensor, triton: bool = False) -> Tensor:
+    """src[index] for a bijection, with a gather (by ``inverse``) as its backward."""
+    return _Shuffle.apply(src, index, inverse, triton)
+
+
+ExpertsFn = Callable[[Tensor, Tensor, Optional[Tensor]], Tensor]
+
+
+def local_moe_forward(
+    x: Tensor,  # (T, H)
+    probs: Tensor,  # (T, K) fp32
+    expert_idx: Tensor,  # (T, K) int64
+    num_experts: int,
+    experts: ExpertsFn,  # (x_perm, splits, probs_perm) -> y_perm
+    triton: bool,
+) -> tuple[Tensor, DispatchPlan]:
+    """Dispatch -> experts -> combine on one device; no host read."""
+    plan = plan_dispatch(expert_idx, num_experts)
+    x_perm = permute(x, plan, triton)
+    probs_perm = permute_probs(probs, plan)
+    y_perm = experts(x_perm, plan.splits, probs_perm)
+    return unpermute(y_perm, plan, triton), plan
