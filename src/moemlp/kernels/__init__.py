@@ -1,0 +1,177 @@
+"""The Triton backend: ``grouped_mlp_fwd`` / ``grouped_mlp_bwd`` with the contract of reference.py.
+
+Inputs arrive validated (_validate.py): contiguous, on one device, splits of an integer dtype on
+that device. Nothing here reads a tensor's values on the host (no .item(), .tolist(), .cpu(),
+nonzero or data-dependent shapes), so a whole forward + backward can be captured in a CUDA graph.
+
+Forward, two launches:   FC1 (x @ W1ᵀ, epilogue: bias, act, ·p → h, z)   FC2 (z @ W2ᵀ + b2 → y)
+Backward, up to six:     FC2_DGRAD (dy @ W2, epilogue: dprobs partials, g_h, round(z))
+                         dprobs reduce    FC1_DGRAD (g_h @ W1 → dx)
+                         wgrad dW2 (+ db2)    wgrad dW1 (+ db1)    [db2 alone when dW2 is not needed]
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["is_available", "unavailable_reason", "grouped_mlp_fwd", "grouped_mlp_bwd"]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def unavailable_reason(device) -> str:
+    """Why the Triton backend cannot run on ``device``; "" when it can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        return f"triton is not importable ({exc})"
+    device = torch.device(device)
+    if device.type == "cuda":
+        return ""
+    if device.type == "cpu" and _interpreting():
+        return ""
+    if device.type == "cpu":
+        return "tensors are on the CPU; the Triton kernels run on CUDA, or on the CPU only under TRITON_INTERPRET=1"
+    return f"device type {device.type!r} is not supported by the Triton kernels (CUDA only)"
+
+
+def is_available(device) -> bool:
+    return unavailable_reason(device) == ""
+
+
+def _check_recipe(cfg) -> None:
+    if cfg.recipe is not None:
+        raise ValueError(
+            f"recipe: the triton backend runs recipe=None only for now, got {getattr(cfg.recipe, 'key', cfg.recipe)!r}; "
+            "use backend='torch' for block-scaled recipes"
+        )
+
+
+def _check_contiguous(**tensors: Optional[Tensor]) -> None:
+    # The kernels index rows with the shapes' own strides; a strided view would be read wrongly,
+    # and copying it silently would hide a full extra pass from the caller.
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name}: the triton backend expects a contiguous tensor, got strides {t.stride()}")
+
+
+def grouped_mlp_fwd(
+    x: Tensor,  # (M, H) compute dtype, rows grouped by expert
+    splits: Tensor,  # (E,) int32/int64 on x.device
+    probs: Optional[Tensor],  # (M,) fp32/bf16/fp16 or None
+    fc1_weight: Tensor,  # (E, N1, H)
+    fc2_weight: Tensor,  # (E, H, F)
+    fc1_bias: Optional[Tensor],  # (E, N1)
+    fc2_bias: Optional[Tensor],  # (E, H)
+    cfg,  # MLPConfig
+) -> tuple[Tensor, Tensor]:
+    """Returns y (M, H) and h (M, N1), both in x.dtype; capacity rows are 0."""
+    from . import _grouped_gemm as gg
+
+    _check_recipe(cfg)
+    _check_contiguous(x=x, splits=splits, probs=probs, fc1_weight=fc1_weight, fc2_weight=fc2_weight,
+                      fc1_bias=fc1_bias, fc2_bias=fc2_bias)
+    M, H = x.shape
+    E, N1, _ = fc1_weight.shape
+    F = fc2_weight.shape[2]
+    h = torch.empty((M, N1), dtype=x.dtype, device=x.device)
+    z = torch.empty((M, F), dtype=x.dtype, device=x.device)  # round(a·p), FC2's input, freed on return
+    y = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    # FC1: B[e] = W1[e]ᵀ, element (n, k) = W1[e, n, k].
+    gg.launch_grouped_gemm(
+        gg.FC1.value, x, fc1_weight, (N1 * H, H, 1), splits, probs, fc1_bias, h, z, None, None,
+        N=F, K=H, N1=N1, cfg=cfg, scale_bias=False, store_z=True, store_partial=False,
+        config=gg.default_config("fc1", F, H, cfg.glu),
+    )
+    # FC2: B[e] = W2[e]ᵀ, element (n, k) = W2[e, n, k], n over H, k over F.
+    gg.launch_grouped_gemm(
+        gg.FC2.value, z, fc2_weight, (H * F, F, 1), splits, probs, fc2_bias, y, None, None, None,
+        N=H, K=F, N1=N1, cfg=cfg, scale_bias=cfg.scale_fc2_bias, store_z=False, store_partial=False,
+        config=gg.default_config("fc2", H, F, cfg.glu),
+    )
+    return y, h
+
+
+def grouped_mlp_bwd(
+    dy: Tensor,  # (M, H) compute dtype
+    x: Tensor,  # (M, H)
+    h: Tensor,  # (M, N1), the stored pre-activation
+    splits: Tensor,  # (E,)
+    probs: Optional[Tensor],  # (M,) or None
+    fc1_weight: Tensor,  # (E, N1, H)
+    fc2_weight: Tensor,  # (E, H, F)
+    fc1_bias: Optional[Tensor],  # (E, N1)
+    fc2_bias: Optional[Tensor],  # (E, H)
+    cfg,  # MLPConfig
+    needs: tuple[bool, bool, bool, bool, bool, bool],  # dx, dprobs, dw1, dw2, db1, db2
+) -> tuple[Optional[Tensor], ...]:
+    """Returns (dx, dprobs, dfc1_weight, dfc2_weight, dfc1_bias, dfc2_bias); None where not needed."""
+    from . import _grouped_gemm as gg
+
+    _check_recipe(cfg)
+    _check_contiguous(dy=dy, x=x, h=h, splits=splits, probs=probs, fc1_weight=fc1_weight,
+                      fc2_weight=fc2_weight, fc1_bias=fc1_bias, fc2_bias=fc2_bias)
+    need_dx, need_dprobs, need_dw1, need_dw2, need_db1, need_db2 = needs
+    need_dprobs = need_dprobs and probs is not None
+    need_db1 = need_db1 and fc1_bias is not None
+    need_db2 = need_db2 and fc2_bias is not None
+    M, H = x.shape
+    E, N1, _ = fc1_weight.shape
+    F = fc2_weight.shape[2]
+    device = x.device
+    dx = dprobs = dw1 = dw2 = db1 = db2 = None
+
+    need_g_h = need_dx or need_dw1 or need_db1
+    if need_g_h or need_dprobs or need_dw2:
+        # One FC2 dgrad pass gives every consumer of g_z: dprobs partials, g_h, and round(z) for
+        # dW2 (recomputed from h here rather than in the wgrad kernel's prologue).
+        dgrad_config = gg.default_config("fc2_dgrad", F, H, cfg.glu)
+        num_parts = _cdiv(F, dgrad_config.BN)
+        g_h = torch.empty((M, N1), dtype=x.dtype, device=device)
+        z = torch.empty((M, F), dtype=x.dtype, device=device) if need_dw2 else None
+        partial = torch.empty((num_parts, M), dtype=torch.float32, device=device) if need_dprobs else None
+        # g_z = dy @ W2[e]: element (n, k) = W2[e, k, n], n over F, k over H.
+        gg.launch_grouped_gemm(
+            gg.FC2_DGRAD.value, dy, fc2_weight, (H * F, 1, F), splits, probs, None, g_h, z, h, partial,
+            N=F, K=H, N1=N1, cfg=cfg, scale_bias=False, store_z=need_dw2, store_partial=need_dprobs,
+            config=dgrad_config,
+        )
+        if need_dprobs:
+            dprobs = torch.empty((M,), dtype=probs.dtype, device=device)
+            gg.launch_dprobs_reduce(
+                partial, dy, fc2_bias, splits, dprobs, num_parts,
+                bias_term=cfg.scale_fc2_bias and fc2_bias is not None,
+            )
+        if need_dx:
+            dx = torch.empty((M, H), dtype=x.dtype, device=device)
+            # dx = g_h @ W1[e]: element (n, k) = W1[e, k, n], n over H, k over N1.
+            gg.launch_grouped_gemm(
+                gg.FC1_DGRAD.value, g_h, fc1_weight, (N1 * H, 1, H), splits, None, None, dx, None, None,
+                None, N=H, K=N1, N1=N1, cfg=cfg, scale_bias=False, store_z=False, store_partial=False,
+                config=gg.default_config("fc1_dgrad", H, N1, cfg.glu),
+            )
+        wgrad_config = gg.default_config("wgrad", 0, 0, cfg.glu)
+        if need_dw1 or need_db1:
+            dw1 = torch.empty_like(fc1_weight) if need_dw1 else None
+            db1 = torch.empty_like(fc1_bias) if need_db1 else None
+            gg.launch_grouped_wgrad(g_h, x if need_dw1 else None, splits, None, dw1, db1, False, wgrad_config)
+        if need_dw2:
+            dw2 = torch.empty_like(fc2_weight)
+            db2 = torch.empty_like(fc2_bias) if need_db2 else None
+            gg.launch_grouped_wgrad(dy, z, splits, probs, dw2, db2, cfg.scale_fc2_bias, wgrad_config)
+    if need_db2 and db2 is None:
+        db2 = torch.empty_like(fc2_bias)
+        gg.launch_grouped_wgrad(
+            dy, None, splits, probs, None, db2, cfg.scale_fc2_bias, gg.default_config("wgrad", 0, 0, cfg.glu)
+        )
+    return dx, dprobs, dw1, dw2, db1, db2
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b

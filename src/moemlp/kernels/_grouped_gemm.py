@@ -1,0 +1,547 @@
+"""The grouped-GEMM kernel family of the Triton backend, and the launchers that size its grids.
+
+Two GEMM shapes cover the six GEMMs of SPEC §1:
+
+* ``_grouped_gemm_kernel``: out[R_e, n] = A[R_e, :] @ B[e] (row-grouped A, per-expert B), one
+  persistent launch over every expert's m-tiles, with a constexpr ``EPILOGUE``:
+  FC1 (x @ W1ᵀ → h, z = round(act(h)·p)), FC2 (z @ W2ᵀ → y), FC2_DGRAD (dy @ W2 → g_z, kept in
+  fp32; dprobs partials, g_h = round(g_z·p·act'(h)), round(z) for dW2), FC1_DGRAD (g_h @ W1 → dx).
+* ``_grouped_wgrad_kernel``: dW[e] = G[R_e]ᵀ @ X[R_e] with K = that expert's row count, and the
+  bias gradient Σ_rows G as a second loop of the same program.
+
+plus ``_dprobs_reduce_kernel``, which sums the dprobs partials in a fixed order.
+
+Expert offsets are computed inside every kernel from ``splits`` (never read on the host): splits are
+clamped (negative → 0 rows, a sum past M truncated at M), so bad device splits cannot make a kernel
+read or write out of bounds. Grids come from static bounds (the tile count of M rows spread over E
+experts is at most cdiv(M, BM) + E + 1); the persistent loop runs over the real tile count read on
+the device. Rows past Σsplits (capacity) are covered by "capacity tiles" that write zeros, so every
+output row is written by exactly one program. No atomics: every sum has a fixed order.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._activations import glu_backward, glu_forward, unary_backward, unary_forward
+
+# Under TRITON_INTERPRET=1, tl.dot on bf16 operands returns garbage (numpy has no bf16 matmul;
+# triton 3.9, 2026-11-30: max error 2.7e10 on a 16×16 product), so dot operands are upcast to fp32
+# there. The GPU path never takes this branch.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+FC1: tl.constexpr = tl.constexpr(0)
+FC2: tl.constexpr = tl.constexpr(1)
+FC2_DGRAD: tl.constexpr = tl.constexpr(2)
+FC1_DGRAD: tl.constexpr = tl.constexpr(3)
+
+
+@triton.jit
+def _rounded(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 x rounded to nearest even in dtype, the one rounding of each stored output.
+
+    The triton 3.9 interpreter truncates fp32 → bf16 (2026-11-30: 508 of 1024 random values off by
+    one ulp against torch's RTNE), which would double the rounding error the CPU suite measures; under
+    the interpreter the bf16 rounding is done on the bits instead. The GPU path converts directly."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        bits = tl.where(x != x, 0x7FC0, bits)  # NaN stays a (quiet) NaN
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _expert_table(splits_ptr, E, M, E_BLOCK: tl.constexpr, BM: tl.constexpr):
+    """Per-expert row ranges [starts, ends) and m-tile counts, clamped so that bad splits stay in
+    bounds: each split to [0, M], the running end to M."""
+    idx = tl.arange(0, E_BLOCK)
+    # int64: 1024 experts × splits of up to 2^31 rows would overflow an int32 running sum.
+    s = tl.load(splits_ptr + idx, mask=idx < E, other=0).to(tl.int64)
+    s = tl.minimum(tl.maximum(s, 0), M)
+    cum = tl.cumsum(s, 0)
+    ends = tl.minimum(cum, M).to(tl.int32)
+    starts = tl.minimum(cum - s, M).to(tl.int32)
+    tiles = (ends - starts + BM - 1) // BM
+    tile_cum = tl.cumsum(tiles, 0)  # inclusive; past E it stays at the total
+    return idx, starts, ends, tiles, tile_cum
+
+
+@triton.jit
+def _pick(idx, vec, e):
+    """vec[e] as a scalar (vectors of the expert table live in registers)."""
+    return tl.sum(tl.where(idx == e, vec, 0))
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,  # (M, K) compute dtype, rows grouped by expert: x | z | dy | g_h
+    b_ptr,  # (E, ·, ·) compute dtype weights; (n, k) of expert e at e·stride_be + n·stride_bn + k·stride_bk
+    splits_ptr,  # (E,) int32/int64 rows per expert, on the device
+    probs_ptr,  # (M,) fp32/bf16/fp16 router probabilities, upcast exactly (HAS_PROBS)
+    bias_ptr,  # (E, N1) fc1_bias (FC1) or (E, H) fc2_bias (FC2), compute dtype (HAS_BIAS)
+    out_ptr,  # compute dtype: h (M, N1) | y (M, H) | g_h (M, N1) | dx (M, H)
+    z_ptr,  # (M, F) compute dtype: round(act(h)·p), FC2's input and dW2's operand (STORE_Z)
+    h_ptr,  # (M, N1) compute dtype: the stored pre-activation, read by FC2_DGRAD
+    partial_ptr,  # (cdiv(F, BN), M) fp32: dprobs partials Σ_{f in tile} g_z·a (STORE_PARTIAL)
+    M, N, K, E,  # N: output columns of this GEMM (F for FC1/FC2_DGRAD, H for FC2/FC1_DGRAD)
+    stride_be, stride_bn, stride_bk,
+    N1, G,  # h columns; GLU block width: gate block j at columns 2jG.., up block at 2jG+G..
+    p0, p1, p2,  # activation parameters (fp32)
+    NUM_PROGS,
+    EPILOGUE: tl.constexpr,
+    ACT: tl.constexpr,
+    GLU: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SCALE_BIAS: tl.constexpr,
+    STORE_Z: tl.constexpr,
+    STORE_PARTIAL: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    E_BLOCK: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    TWO_ACC: tl.constexpr = GLU and EPILOGUE == FC1  # gate and up columns of one F block
+    GATHER_H: tl.constexpr = GLU and (EPILOGUE == FC1 or EPILOGUE == FC2_DGRAD)
+    pid = tl.program_id(0)
+    idx, starts, ends, tiles, tile_cum = _expert_table(splits_ptr, E, M, E_BLOCK, BM)
+    total_rows = tl.max(ends)
+    real_m_tiles = tl.sum(tiles)
+    cap_m_tiles = (M - total_rows + BM - 1) // BM  # zero-writing tiles over the capacity rows
+    num_m = real_m_tiles + cap_m_tiles
+    num_n = tl.cdiv(N, BN)
+    offs_k = tl.arange(0, BK)
+    k_tiles = tl.cdiv(K, BK)
+
+    for tile in tl.range(pid, num_m * num_n, NUM_PROGS):
+        # GROUP_M m-tiles share each B n-tile while it sits in L2.
+        in_group = GROUP_M * num_n
+        first_m = (tile // in_group) * GROUP_M
+        group_size = tl.minimum(num_m - first_m, GROUP_M)
+        tm = first_m + (tile % in_group) % group_size
+        tn = (tile % in_group) // group_size
+
+        is_real = tm < real_m_tiles
+        e = tl.minimum(tl.sum((tile_cum <= tm).to(tl.int32)), E - 1)
+        e_first_tile = _pick(idx, tile_cum - tiles, e)
+        row_start = tl.where(
+            is_real, _pick(idx, starts, e) + (tm - e_first_tile) * BM, total_rows + (tm - real_m_tiles) * BM
+        )
+        row_end = tl.where(is_real, _pick(idx, ends, e), M)
+        k_iters = tl.where(is_real, k_tiles, 0)  # capacity tiles read nothing
+
+        rows = row_start + tl.arange(0, BM)
+        row_mask = rows < row_end
+        rows64 = rows.to(tl.int64)  # M·K overflows int32 at 128k rows × 16k columns
+        offs_n = tn * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        if GATHER_H:
+            n_h = (offs_n // G) * (2 * G) + offs_n % G  # gate column of f; up column = + G
+        else:
+            n_h = offs_n
+        if EPILOGUE == FC1:
+            n_b = n_h
+        else:
+            n_b = offs_n
+
+        b_base = b_ptr + e.to(tl.int64) * stride_be
+        a_ptrs = a_ptr + rows64[:, None] * K + offs_k[None, :]
+        b_ptrs = b_base + n_b[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if TWO_ACC:
+            acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+        for kk in range(0, k_iters):
+            k_mask = offs_k < K - kk * BK
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if INTERPRETED:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if TWO_ACC:
+                b_up = tl.load(b_ptrs + G * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                if INTERPRETED:
+                    b_up = b_up.to(tl.float32)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            a_ptrs += BK
+            b_ptrs += BK * stride_bk
+
+        mask = row_mask[:, None] & n_mask[None, :]
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+
+        if EPILOGUE == FC1:
+            h_gate = acc
+            if HAS_BIAS:
+                bias_row = bias_ptr + e.to(tl.int64) * N1
+                h_gate += tl.load(bias_row + n_h, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if GLU:
+                h_up = acc_up
+                if HAS_BIAS:
+                    h_up += tl.load(bias_row + n_h + G, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                act = glu_forward(h_gate, h_up, ACT, p0, p1, p2)  # from the fp32 accumulator
+            else:
+                act = unary_forward(h_gate, ACT)
+            z = act
+            if HAS_PROBS:
+                z = act * p[:, None]  # fp32 × fp32: an fp32 probs is never rounded
+            out_row = out_ptr + rows64[:, None] * N1
+            h_gate = tl.where(is_real, h_gate, 0.0)
+            tl.store(out_row + n_h[None, :], _rounded(h_gate, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+            if GLU:
+                h_up = tl.where(is_real, h_up, 0.0)
+                tl.store(out_row + n_h[None, :] + G, _rounded(h_up, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+            z = tl.where(is_real, z, 0.0)
+            tl.store(z_ptr + rows64[:, None] * N + offs_n[None, :], _rounded(z, z_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+        elif EPILOGUE == FC2:
+            y = acc
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + e.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                if SCALE_BIAS:
+                    y += bias[None, :] * p[:, None]
+                else:
+                    y += bias[None, :]
+            y = tl.where(is_real, y, 0.0)
+            tl.store(out_ptr + rows64[:, None] * N + offs_n[None, :], _rounded(y, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+        elif EPILOGUE == FC2_DGRAD:
+            g_z = acc  # fp32, never rounded before use
+            h_row = h_ptr + rows64[:, None] * N1
+            h_gate = tl.load(h_row + n_h[None, :], mask=mask, other=0.0).to(tl.float32)
+            if GLU:
+                h_up = tl.load(h_row + n_h[None, :] + G, mask=mask, other=0.0).to(tl.float32)
+                act, d_gate, d_up = glu_backward(h_gate, h_up, ACT, p0, p1, p2)
+            else:
+                act, d_gate = unary_backward(h_gate, ACT)
+            if STORE_PARTIAL:
+                part = tl.sum(tl.where(mask, g_z * act, 0.0), axis=1)
+                part = tl.where(is_real, part, 0.0)
+                tl.store(partial_ptr + tn.to(tl.int64) * M + rows, part, mask=row_mask)
+            g_a = g_z
+            if HAS_PROBS:
+                g_a = g_z * p[:, None]
+            out_row = out_ptr + rows64[:, None] * N1
+            g_gate = tl.where(is_real, g_a * d_gate, 0.0)
+            tl.store(out_row + n_h[None, :], _rounded(g_gate, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+            if GLU:
+                g_up = tl.where(is_real, g_a * d_up, 0.0)
+                tl.store(out_row + n_h[None, :] + G, _rounded(g_up, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+            if STORE_Z:
+                z = act
+                if HAS_PROBS:
+                    z = act * p[:, None]
+                z = tl.where(is_real, z, 0.0)
+                tl.store(z_ptr + rows64[:, None] * N + offs_n[None, :], _rounded(z, z_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+        else:
+            tl.static_assert(EPILOGUE == FC1_DGRAD)
+            dx = tl.where(is_real, acc, 0.0)
+            tl.store(out_ptr + rows64[:, None] * N + offs_n[None, :], _rounded(dx, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    g_ptr,  # (M, P) compute dtype, rows grouped by expert: g_h (dW1, P = N1) | dy (dW2, P = H)
+    x_ptr,  # (M, Q) compute dtype: x (dW1, Q = H) | round(z) (dW2, Q = F)
+    splits_ptr,  # (E,) int32/int64 rows per expert, on the device
+    probs_ptr,  # (M,) fp32/bf16/fp16: db2 = Σ dy·p when SCALE_B
+    dw_ptr,  # (E, P, Q) weight dtype
+    db_ptr,  # (E, P) bias dtype
+    M, P, Q, E,
+    DO_W: tl.constexpr,
+    DO_B: tl.constexpr,
+    SCALE_B: tl.constexpr,
+    BP: tl.constexpr,
+    BQ: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    E_BLOCK: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_p = tl.cdiv(P, BP)
+    if DO_W:
+        num_q = tl.cdiv(Q, BQ)
+    else:
+        num_q = 1
+    per_expert = num_p * num_q
+    e = pid // per_expert
+    t = pid % per_expert
+    in_group = GROUP_P * num_q
+    first_p = (t // in_group) * GROUP_P
+    group_size = tl.minimum(num_p - first_p, GROUP_P)
+    tp = first_p + (t % in_group) % group_size
+    tq = (t % in_group) // group_size
+
+    idx, starts, ends, tiles, tile_cum = _expert_table(splits_ptr, E, M, E_BLOCK, 1)
+    e_start = _pick(idx, starts, e)
+    e_end = _pick(idx, ends, e)  # K of this expert = e_end - e_start rows; 0 rows → zeros
+    offs_p = tp * BP + tl.arange(0, BP)
+    offs_q = tq * BQ + tl.arange(0, BQ)
+    p_mask = offs_p < P
+    q_mask = offs_q < Q
+    offs_k = tl.arange(0, BK)
+
+    if DO_W:
+        acc = tl.zeros((BP, BQ), dtype=tl.float32)
+        for k0 in range(e_start, e_end, BK):
+            rows = k0 + offs_k
+            rows64 = rows.to(tl.int64)
+            k_mask = rows < e_end
+            g = tl.load(g_ptr + rows64[:, None] * P + offs_p[None, :], mask=k_mask[:, None] & p_mask[None, :], other=0.0)
+            x = tl.load(x_ptr + rows64[:, None] * Q + offs_q[None, :], mask=k_mask[:, None] & q_mask[None, :], other=0.0)
+            if INTERPRETED:
+                g = g.to(tl.float32)
+                x = x.to(tl.float32)
+            acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PRECISION)
+        dw = dw_ptr + e.to(tl.int64) * P * Q + offs_p[:, None].to(tl.int64) * Q + offs_q[None, :]
+        tl.store(dw, _rounded(acc, dw_ptr.dtype.element_ty, INTERPRETED), mask=p_mask[:, None] & q_mask[None, :])
+
+    if DO_B:
+        if tq == 0:
+            # A second pass over this expert's rows of G, in the programs of the first Q tile only:
+            # it re-reads G once in all (0.2 ms of mixtral's ~30 ms fwd+bwd) and keeps the dW
+            # loop free of a branch. Fixed order: chunks of BK rows in sequence.
+            acc_b = tl.zeros((BP,), dtype=tl.float32)
+            for k0 in range(e_start, e_end, BK):
+                rows = k0 + offs_k
+                k_mask = rows < e_end
+                g = tl.load(
+                    g_ptr + rows.to(tl.int64)[:, None] * P + offs_p[None, :],
+                    mask=k_mask[:, None] & p_mask[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                if SCALE_B:
+                    g = g * tl.load(probs_ptr + rows, mask=k_mask, other=0.0).to(tl.float32)[:, None]
+                acc_b += tl.sum(g, axis=0)
+            tl.store(db_ptr + e.to(tl.int64) * P + offs_p, _rounded(acc_b, db_ptr.dtype.element_ty, INTERPRETED), mask=p_mask)
+
+
+@triton.jit
+def _dprobs_reduce_kernel(
+    partial_ptr,  # (num_parts, M) fp32 dprobs partials, one row per F tile of FC2_DGRAD
+    dy_ptr,  # (M, H) compute dtype (BIAS_TERM)
+    fc2_bias_ptr,  # (E, H) compute dtype (BIAS_TERM)
+    splits_ptr,  # (E,) int32/int64
+    dprobs_ptr,  # (M,) probs.dtype: the tensor returned to the user; one rounding in this store
+    M, H, E, num_parts,
+    BIAS_TERM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    E_BLOCK: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < M
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for t in range(0, num_parts):  # fixed order, F tile 0 first: deterministic, no atomics
+        acc += tl.load(partial_ptr + t * M + rows, mask=row_mask, other=0.0)
+    if BIAS_TERM:
+        # + Σ_j dy·fc2_bias[e(row)]: e(row) = number of experts whose rows end at or before it.
+        idx, starts, ends, tiles, tile_cum = _expert_table(splits_ptr, E, M, E_BLOCK, 1)
+        ends_v = tl.where(idx < E, ends, M + 1)
+        e_row = tl.minimum(tl.sum((ends_v[None, :] <= rows[:, None]).to(tl.int32), axis=1), E - 1)
+        live = row_mask & (rows < tl.max(ends))  # capacity rows keep dprobs = 0
+        offs_h = tl.arange(0, BLOCK_H)
+        for j0 in range(0, H, BLOCK_H):
+            cols = j0 + offs_h
+            m2 = live[:, None] & (cols < H)[None, :]
+            dy = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=m2, other=0.0)
+            b = tl.load(fc2_bias_ptr + e_row.to(tl.int64)[:, None] * H + cols[None, :], mask=m2, other=0.0)
+            acc += tl.sum(dy.to(tl.float32) * b.to(tl.float32), axis=1)
+    tl.store(dprobs_ptr + rows, _rounded(acc, dprobs_ptr.dtype.element_ty, INTERPRETED), mask=row_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    BM: int
+    BN: int
+    BK: int
+    num_warps: int
+    num_stages: int
+    GROUP_M: int = 8
+
+
+# One small config under the interpreter: every program runs in numpy, so small tiles keep the
+# CPU suite fast, and 16 is tl.dot's smallest side.
+_INTERPRET_CONFIG = GemmConfig(16, 16, 16, 4, 1, 4)
+
+
+def default_config(kind: str, N: int, K: int, glu: bool) -> GemmConfig:
+    """Tile shapes for the H200; see benchmarks/NOTES.md for the measurements behind them."""
+    if INTERPRET:
+        return _INTERPRET_CONFIG
+    if kind == "fc1" and glu:
+        # Two 128×128 fp32 accumulators (gate, up) = one 128×256 tile: 128 registers per thread
+        # at 8 warps; 3 stages × (16 KB A + 32 KB B) = 144 KB of shared memory.
+        return GemmConfig(128, 128, 64, 8, 3)
+    if kind == "fc2_dgrad":
+        # The epilogue loads two h tiles and evaluates act and act': a 128×128 tile leaves it room.
+        return GemmConfig(128, 128, 64, 8, 4)
+    if kind == "wgrad":
+        return GemmConfig(128, 128, 64, 8, 4)
+    return GemmConfig(128, 256, 64, 8, 3)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_programs(device: torch.device, bound: int) -> int:
+    if device.type != "cuda":
+        return max(1, min(bound, 4))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(bound, _NUM_SMS[index]))
+
+
+def _e_block(E: int) -> int:
+    return max(16, triton.next_power_of_2(E))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 compute: exact fp32 products ("ieee"), as the reference; bf16/fp16 ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_grouped_gemm(
+    epilogue: int,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    b_strides: tuple[int, int, int],
+    splits: torch.Tensor,
+    probs,
+    bias,
+    out,
+    z,
+    h,
+    partial,
+    N: int,
+    K: int,
+    N1: int,
+    cfg,  # MLPConfig
+    scale_bias: bool,
+    store_z: bool,
+    store_partial: bool,
+    config: GemmConfig,
+) -> None:
+    M = a.shape[0]
+    E = splits.shape[0]
+    if M == 0 or N == 0:
+        return
+    m_bound = triton.cdiv(M, config.BM) + E + 1
+    bound = m_bound * triton.cdiv(N, config.BN)
+    num_progs = _num_programs(a.device, bound)
+    params = tuple(cfg.activation_params) + (0.0,) * (3 - len(cfg.activation_params))
+    dummy = a  # never dereferenced: the constexpr flags switch its loads and stores off
+    _grouped_gemm_kernel[(num_progs,)](
+        a, b, splits,
+        probs if probs is not None else dummy,
+        bias if bias is not None else dummy,
+        out,
+        z if z is not None else dummy,
+        h if h is not None else dummy,
+        partial if partial is not None else dummy,
+        M, N, K, E,
+        b_strides[0], b_strides[1], b_strides[2],
+        N1, cfg.glu_interleave if cfg.glu else 1,
+        float(params[0]), float(params[1]), float(params[2]),
+        num_progs,
+        EPILOGUE=epilogue,
+        ACT=cfg.activation.kernel_id,
+        GLU=cfg.glu,
+        HAS_PROBS=probs is not None,
+        HAS_BIAS=bias is not None,
+        SCALE_BIAS=scale_bias and probs is not None,
+        STORE_Z=store_z,
+        STORE_PARTIAL=store_partial,
+        BM=config.BM,
+        BN=config.BN,
+        BK=config.BK,
+        GROUP_M=config.GROUP_M,
+        E_BLOCK=_e_block(E),
+        INTERPRETED=INTERPRET,
+        DOT_PRECISION=_dot_precision(a.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def launch_grouped_wgrad(
+    g: torch.Tensor,
+    x,
+    splits: torch.Tensor,
+    probs,
+    dw,
+    db,
+    scale_b: bool,
+    config: GemmConfig,
+) -> None:
+    M, P = g.shape
+    E = splits.shape[0]
+    Q = x.shape[1] if x is not None else 1
+    do_w = dw is not None
+    grid = (E * triton.cdiv(P, config.BM) * (triton.cdiv(Q, config.BN) if do_w else 1),)
+    _grouped_wgrad_kernel[grid](
+        g,
+        x if x is not None else g,
+        splits,
+        probs if probs is not None else g,
+        dw if dw is not None else g,
+        db if db is not None else g,
+        M, P, Q, E,
+        DO_W=do_w,
+        DO_B=db is not None,
+        SCALE_B=scale_b and probs is not None,
+        BP=config.BM,
+        BQ=config.BN,
+        BK=config.BK,
+        GROUP_P=config.GROUP_M,
+        E_BLOCK=_e_block(E),
+        INTERPRETED=INTERPRET,
+        DOT_PRECISION=_dot_precision(g.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def launch_dprobs_reduce(partial, dy, fc2_bias, splits, dprobs, num_parts: int, bias_term: bool) -> None:
+    M = dprobs.shape[0]
+    if M == 0:
+        return
+    H = dy.shape[1]
+    E = splits.shape[0]
+    e_block = _e_block(E)
+    if INTERPRET:
+        block_r = 16
+    elif bias_term:
+        # The expert of each row comes from a (rows × experts) comparison: ≤ 16k elements keeps it
+        # at 128 registers per thread at 4 warps, also for 1024 experts.
+        block_r = max(16, min(128, 16384 // e_block))
+    else:
+        block_r = 128
+    _dprobs_reduce_kernel[(triton.cdiv(M, block_r),)](
+        partial, dy,
+        fc2_bias if fc2_bias is not None else dy,
+        splits, dprobs,
+        M, H, E, num_parts,
+        BIAS_TERM=bias_term,
+        BLOCK_R=block_r,
+        BLOCK_H=16 if INTERPRET else 64,
+        E_BLOCK=e_block,
+        INTERPRETED=INTERPRET,
+        num_warps=4,
+    )
