@@ -10,8 +10,8 @@ evaluates activations in fp32 from the fp32 accumulator (float64 in the float64 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import torch
 

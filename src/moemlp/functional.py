@@ -8,7 +8,8 @@ so ``fullgraph=True`` holds although the torch backend has data-dependent shapes
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -220,7 +221,7 @@ def _resolve_backend(backend, x: Tensor, recipe) -> str:
         reason = "the Triton kernels take bf16, fp16 or fp32 inputs; float64 runs on backend='torch'"
     elif not kernels.is_available(x.device):
         reason = kernels.unavailable_reason(x.device)
-    elif recipe is not None and not kernels.supports_recipe(recipe):
+    elif recipe is not None and not getattr(kernels, "supports_recipe", lambda r: False)(recipe):
         reason = f"recipe {recipe.key!r} has no Triton implementation yet; it runs on backend='torch'"
     if backend == "auto":
         return "torch" if reason is not None else "triton"
@@ -284,7 +285,10 @@ def grouped_mlp(
     )
     recipe_obj = None if recipe is None else _recipes().resolve_recipe(recipe)
     be = _resolve_backend(backend, x, recipe_obj)
-    if splits.device.type == "cpu" or be == "torch":
+    # Values of CPU splits are checked here, for free. The torch backend checks device splits
+    # inside its op (it reads them on the host anyway; under torch.compile a host read here would
+    # be a data-dependent guard); the Triton path never reads device splits on the host.
+    if splits.device.type == "cpu" and not torch.compiler.is_compiling():
         validate_split_values(splits, M)
     if recipe_obj is not None and x.dtype == torch.float64:
         raise TypeError("recipe: block-scaled recipes take bf16, fp16 or fp32 inputs, got float64 x")

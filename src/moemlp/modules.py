@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 import torch
 from torch import Tensor, nn

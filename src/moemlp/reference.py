@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ._config import MLPConfig
+from ._validate import validate_split_values
 
 __all__ = ["grouped_mlp_fwd", "grouped_mlp_bwd", "ExpertLayout"]
 
@@ -34,6 +35,7 @@ class ExpertLayout:
     """Where each routed row sits in the padded (E, C, ·) batch."""
 
     def __init__(self, splits: Tensor, num_rows: int, device: torch.device):
+        validate_split_values(splits, num_rows)  # the host read this layout needs anyway
         splits = splits.to(device=device, dtype=torch.int64)
         self.num_experts = splits.numel()
         offsets = torch.cumsum(splits, 0)

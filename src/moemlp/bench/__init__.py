@@ -1,0 +1,1 @@
+"""The command line's jobs: bench (speed against the torch peer) and precision (the contract)."""

@@ -1,0 +1,146 @@
+"""What the bench and precision jobs share: model shapes, routed problems, timing, output files."""
+
+from __future__ import annotations
+
+import csv
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int  # H
+    ffn: int  # F (per expert)
+    experts: int  # E (local experts)
+    top_k: int
+    tokens: int
+
+    @property
+    def rows(self) -> int:  # M, routed rows
+        return self.tokens * self.top_k
+
+    def flops(self, backward: bool) -> float:
+        """GLU MLP: forward 6·M·H·F (FC1 2·M·H·2F + FC2 2·M·F·H); backward twice that."""
+        fwd = 6.0 * self.rows * self.hidden * self.ffn
+        return 3.0 * fwd if backward else fwd
+
+
+# ANCHORS.md's four shapes (H, F, E, top_k, tokens); deepseek-v3 is one rank of 8-way EP.
+GPU_SHAPES = {
+    s.name: s
+    for s in (
+        Shape("qwen3-30b-a3b", 2048, 768, 128, 8, 4096),
+        Shape("mixtral-8x7b", 4096, 14336, 8, 2, 8192),
+        Shape("deepseek-v3-ep8", 7168, 2048, 32, 8, 4096),
+        Shape("gpt-oss-120b", 2880, 2880, 128, 4, 4096),
+    )
+}
+# Small enough for a 2-core CPU in seconds, with the same structure.
+CPU_SHAPES = {s.name: s for s in (Shape("cpu-small", 256, 128, 8, 2, 256),)}
+
+
+def default_shapes(device: torch.device) -> dict[str, Shape]:
+    return GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
+
+
+def all_shapes() -> dict[str, Shape]:
+    return {**GPU_SHAPES, **CPU_SHAPES}
+
+
+def routed_problem(shape: Shape, device, dtype=torch.bfloat16, probs_dtype=torch.float32, seed=0):
+    """Uniform random top-k routing: each token picks top_k distinct experts; rows grouped by expert.
+
+    Returns x (M, H), splits (E,), probs (M,), fc1_weight (E, 2F, H), fc2_weight (E, H, F), dy.
+    """
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    choice = torch.rand(shape.tokens, shape.experts, generator=g).topk(shape.top_k, dim=1).indices
+    splits = torch.bincount(choice.flatten(), minlength=shape.experts)
+    M, H, F, E = shape.rows, shape.hidden, shape.ffn, shape.experts
+
+    def r(*s, scale):
+        return (torch.randn(*s, generator=g) * scale).to(device=device, dtype=dtype)
+
+    x = r(M, H, scale=1.0)
+    fc1_weight = r(E, 2 * F, H, scale=H**-0.5)
+    fc2_weight = r(E, H, F, scale=F**-0.5)
+    probs = torch.rand(M, generator=g).to(device=device, dtype=probs_dtype)
+    dy = r(M, H, scale=1.0)
+    return x, splits.to(device), probs, fc1_weight, fc2_weight, dy
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, *, warmup_ms=25, rep_ms=100) -> float:
+    """Median milliseconds: triton's do_bench (device events) on a GPU, a host clock on the CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    fn()  # warm-up
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def saved_bytes_per_row(fn: Callable[[], torch.Tensor], exclude: Sequence[torch.Tensor], rows: int) -> float:
+    """Bytes autograd keeps for backward per routed row, beyond the tensors in ``exclude``
+    (inputs and parameters); each storage counted once."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values()) / rows
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def print_table(rows: list[dict], columns: Sequence[str], title: str) -> None:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if (abs(v) < 1e-2 and v != 0) else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}"
+        return str(v)
+
+    cells = [[fmt(r[c]) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print(title)
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {_triton_version()}"
+    return f"CPU ({os.cpu_count()} cores), torch {torch.__version__}, triton {_triton_version()}"
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return "not installed"
