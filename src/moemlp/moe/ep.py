@@ -1,0 +1,122 @@
+"""Expert parallelism over torch.distributed: each rank routes its own tokens, sends every row to
+the rank holding its expert, runs its local experts, and sends the results back.
+
+With W ranks and E experts, rank r holds experts [r·E/W, (r+1)·E/W). On each rank:
+
+    plan      = plan_dispatch(expert_idx, E)           rows sorted by global expert, hence by rank
+    counts    all_to_all of splits (W, E/W)            recv[w, e]: rows from rank w for local e
+    host read the per-rank row counts                  all_to_all_single needs them as ints: the
+                                                       one host sync, inherent to EP
+    x, probs  all_to_all (rows, and fp32 probs beside them; probs never rounded)
+    regroup   (source rank, expert) order -> (expert, source rank) order: a bijective gather
+    experts   grouped MLP on the local experts, splits = recv.sum(0)
+    back      the inverse gather, all_to_all back, unpermute (k-ordered sum)
+
+Every step is an autograd function whose backward runs the adjoint communication, so dx, the
+router gradient (through the probs) and the local experts' gradients (from every rank's tokens)
+come out of one ``backward()``. Collectives are issued in the same order on every rank (the graph
+is the same on every rank), which NCCL and gloo require.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .dispatch import ExpertsFn, permute, permute_probs, plan_dispatch, shuffle_rows, unpermute
+
+__all__ = ["all_to_all", "expert_parallel_moe_forward"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to other ranks (``all_to_all_single``); backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group) -> Tensor:
+        ctx.group = group
+        ctx.splits = (list(output_splits), list(input_splits))
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        output_splits, input_splits = ctx.splits
+        return (
+            _all_to_all(grad_out, input_splits, output_splits, ctx.group),  # x
+            None,  # output_splits
+            None,  # input_splits
+            None,  # group
+        )
+
+
+def _all_to_all(x: Tensor, output_splits, input_splits, group) -> Tensor:
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(
+        out, x.contiguous(), list(output_splits), list(input_splits), group=group
+    )
+    return out
+
+
+def all_to_all(x: Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group) -> Tensor:
+    """Autograd-aware ``all_to_all_single`` along dim 0."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+def _regroup_index(recv_counts: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """Gather indices between the received order and the local-expert order.
+
+    recv_counts (W, E_local): chunk (w, e) holds recv_counts[w, e] rows, chunks in (w, e) order.
+    Returns ``local_from_recv`` (row j of the (e, w)-ordered batch is received row
+    local_from_recv[j]) and its inverse ``recv_from_local``.
+    """
+    W, E_local = recv_counts.shape
+    device = recv_counts.device
+    sizes_we = recv_counts.reshape(-1)
+    starts_we = torch.cumsum(sizes_we, 0) - sizes_we  # (W·E_local,) in (w, e) order
+    sizes_ew = recv_counts.t().reshape(-1)
+    ends_ew = torch.cumsum(sizes_ew, 0)
+    starts_ew = ends_ew - sizes_ew
+    rows = torch.arange(num_rows, device=device, dtype=torch.int64)
+    chunk_ew = torch.searchsorted(ends_ew, rows, right=True)  # (e, w) chunk of each local row
+    e, w = chunk_ew // W, chunk_ew % W
+    local_from_recv = starts_we[w * E_local + e] + (rows - starts_ew[chunk_ew])
+    recv_from_local = torch.empty_like(local_from_recv).scatter_(0, local_from_recv, rows)
+    return local_from_recv, recv_from_local
+
+
+def expert_parallel_moe_forward(
+    x: Tensor,  # (T, H) this rank's tokens
+    probs: Tensor,  # (T, K) fp32
+    expert_idx: Tensor,  # (T, K) int64, global expert ids
+    num_experts: int,  # E, all ranks together
+    experts: ExpertsFn,  # this rank's experts: (x_local, splits (E_local,), probs_local) -> y_local
+    group,
+    triton: bool,
+) -> Tensor:
+    W = dist.get_world_size(group)
+    E_local = num_experts // W
+    plan = plan_dispatch(expert_idx, num_experts)
+    x_perm = permute(x, plan, triton)  # rows sorted by expert = by destination rank
+    probs_perm = permute_probs(probs, plan)
+
+    send_counts = plan.splits.view(W, E_local)
+    # The counts travel on the device of the process group's backend (CPU for gloo, CUDA for NCCL).
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
+    # The one host sync: all_to_all_single takes its split sizes as Python ints.
+    counts_host = torch.cat((send_counts.sum(1), recv_counts.sum(1))).tolist()
+    send_rows, recv_rows = counts_host[:W], counts_host[W:]
+
+    x_recv = all_to_all(x_perm, recv_rows, send_rows, group)
+    probs_recv = all_to_all(probs_perm, recv_rows, send_rows, group)
+    local_from_recv, recv_from_local = _regroup_index(recv_counts, sum(recv_rows))
+    x_local = shuffle_rows(x_recv, local_from_recv, recv_from_local, triton)
+    probs_local = shuffle_rows(probs_recv, local_from_recv, recv_from_local)
+
+    y_local = experts(x_local, recv_counts.sum(0), probs_local)
+
+    y_recv = shuffle_rows(y_local, recv_from_local, local_from_recv, triton)
+    y_perm = all_to_all(y_recv, send_rows, recv_rows, group)
+    return unpermute(y_perm, plan, triton)

@@ -1,0 +1,232 @@
+"""The MoE layer against a naive composition in plain torch: fp32 router, then for each expert the
+rows that chose it, its MLP, times the probability, summed per token."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moemlp.moe import MoE
+
+
+def naive_moe(x, router_weight, fc1_weight, fc2_weight, k, *, score="softmax", normalize=True,
+              activation="swiglu", expert_bias=None, aux_coeff=0.0, z_coeff=0.0, dtype=torch.float64):
+    """Returns (y, aux + z). Routing decisions come from fp32 logits, as the layer's router makes
+    them; everything else is evaluated in ``dtype`` (float64: the reference; bfloat16: what plain
+    PyTorch bf16 code would compute, the baseline for bf16 tolerances)."""
+    T, H = x.shape
+    E = router_weight.shape[0]
+    logits32 = F.linear(x.detach().float(), router_weight.detach().float())
+    sel = logits32.softmax(-1) if score == "softmax" else logits32.sigmoid()
+    if expert_bias is not None:
+        sel = sel + expert_bias
+    idx = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :k]
+    logits = F.linear(x.to(torch.float64), router_weight.to(torch.float64))
+    scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+    probs = scores.gather(1, idx)
+    if normalize:
+        probs = probs / probs.sum(-1, keepdim=True)
+    counts = F.one_hot(idx, E).sum((0, 1)).double()
+    s = scores if score == "softmax" else scores / scores.sum(-1, keepdim=True)
+    aux = aux_coeff * E / (k * T * T) * (s.sum(0) * counts).sum()
+    aux = aux + z_coeff * torch.logsumexp(logits, -1).square().mean()
+
+    xd, w1, w2, p = x.to(dtype), fc1_weight.to(dtype), fc2_weight.to(dtype), probs.to(dtype)
+    y = torch.zeros(T, H, dtype=dtype)
+    for e in range(E):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = xd[tok] @ w1[e].t()
+        if activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+        else:  # gelu (tanh approximation)
+            a = F.gelu(h, approximate="tanh")
+        y = y.index_add(0, tok, (a * p[tok, slot][:, None]) @ w2[e].t())
+    return y, aux
+
+
+def make_layer(H, F_, E, k, dtype, seed=0, **kw):
+    torch.manual_seed(seed)
+    moe = MoE(H, F_, E, k, dtype=dtype, backend="torch", **kw)
+    with torch.no_grad():
+        moe.router.weight.normal_(0.0, 0.3)  # spread logits: no near-ties in the selection
+    return moe
+
+
+# (H, F, E, k, score, normalize, activation, extra kwargs, input shape): what each case exercises
+LAYER_CASES = [
+    pytest.param(16, 24, 8, 2, "softmax", True, "swiglu", {}, (3, 7, 16), id="mixtral-like-BSH"),
+    pytest.param(12, 20, 6, 3, "sigmoid", True, "swiglu", dict(aux_loss_coeff=0.05, z_loss_coeff=0.01),
+                 (25, 12), id="deepseek-like-aux-z"),
+    pytest.param(10, 8, 5, 1, "softmax", False, "gelu", {}, (4, 10), id="E-prime-top1-empty-experts"),
+    pytest.param(8, 16, 1, 1, "softmax", False, "swiglu", {}, (9, 8), id="one-expert"),
+    pytest.param(8, 12, 4, 4, "softmax", True, "swiglu", dict(aux_loss_coeff=0.1), (6, 8), id="k-equals-E"),
+]
+
+
+def _grads(moe, x, dy, extra=None):
+    y = moe(x)
+    loss = (y.double() * dy.double()).sum() if extra is None else extra(y)
+    params = (x, moe.router.weight, moe.experts.fc1_weight, moe.experts.fc2_weight)
+    return (y,) + torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("H,F_,E,k,score,normalize,act,kw,shape", LAYER_CASES)
+def test_layer_matches_naive_float64(H, F_, E, k, score, normalize, act, kw, shape):
+    moe = make_layer(H, F_, E, k, torch.float64, score=score, normalize_topk=normalize, activation=act, **kw)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(shape, generator=g, dtype=torch.float64)
+    y, dx, dwr, dw1, dw2 = _grads(moe, x, dy)
+    assert y.shape == x.shape and y.dtype == x.dtype
+
+    xr = x.detach().reshape(-1, H).requires_grad_()
+    wr = moe.router.weight.detach().clone().requires_grad_()
+    w1 = moe.experts.fc1_weight.detach().clone().requires_grad_()
+    w2 = moe.experts.fc2_weight.detach().clone().requires_grad_()
+    ref, aux = naive_moe(xr, wr, w1, w2, k, score=score, normalize=normalize, activation=act,
+                         aux_coeff=kw.get("aux_loss_coeff", 0.0), z_coeff=kw.get("z_loss_coeff", 0.0))
+    rdx, rdwr, rdw1, rdw2 = torch.autograd.grad((ref * dy.reshape(-1, H)).sum() + aux, (xr, wr, w1, w2))
+    # The router is fp32 by design: probabilities carry fp32 rounding (~1e-7 relative), and the
+    # router gradient is accumulated in fp32; the experts run in float64.
+    torch.testing.assert_close(y.reshape(-1, H), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx.reshape(-1, H), rdx, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dwr.double(), rdwr.double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dw1, rdw1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dw2, rdw2, rtol=1e-5, atol=1e-6)
+
+
+def _rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_layer_bf16_within_twice_plain_torch_bf16_error():
+    """bf16 layer vs the float64 naive composition: at most 2× the error of the same composition
+    written in plain PyTorch bf16 (quack's tolerance idiom), for y and every gradient."""
+    H, F_, E, k, T = 32, 48, 8, 2, 64
+    moe = make_layer(H, F_, E, k, torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(T, H, generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(T, H, generator=g).bfloat16()
+    ours = _grads(moe, x, dy)
+
+    def naive(dtype):
+        xr = x.detach().to(dtype).requires_grad_()
+        wr = moe.router.weight.detach().clone().requires_grad_()
+        w1 = moe.experts.fc1_weight.detach().to(dtype).requires_grad_()
+        w2 = moe.experts.fc2_weight.detach().to(dtype).requires_grad_()
+        y, _ = naive_moe(xr, wr, w1, w2, k, dtype=dtype)
+        return (y,) + torch.autograd.grad((y * dy.to(dtype)).sum(), (xr, wr, w1, w2))
+
+    exact = naive(torch.float64)
+    plain_bf16 = naive(torch.bfloat16)
+    for name, o, r, b in zip(("y", "dx", "drouter", "dfc1", "dfc2"), ours, exact, plain_bf16):
+        err, base = _rel_err(o, r), _rel_err(b, r)
+        assert err <= 2 * base, f"{name}: relative error {err:.2e} > 2 × plain bf16 {base:.2e}"
+
+
+def test_expert_bias_changes_selection_only():
+    H, F_, E, k, T = 8, 8, 4, 2, 20
+    moe = make_layer(H, F_, E, k, torch.float64, expert_bias=True, score="sigmoid")
+    bias = torch.tensor([0.0, 3.0, 0.0, 0.0])
+    moe.router.expert_bias.copy_(bias)
+    x = torch.randn(T, H, dtype=torch.float64)
+    y = moe(x)
+    ref, _ = naive_moe(x, moe.router.weight.detach(), moe.experts.fc1_weight.detach(),
+                       moe.experts.fc2_weight.detach(), k, score="sigmoid", expert_bias=bias)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    assert moe.router.tokens_per_expert[1].item() == T  # every token chose expert 1
+
+
+def test_layer_is_deterministic():
+    moe = make_layer(16, 16, 6, 2, torch.float32)
+    x = torch.randn(40, 16, requires_grad=True)
+    dy = torch.randn(40, 16)
+    a = _grads(moe, x, dy)
+    b = _grads(moe, x, dy)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(top_k=9), ValueError, "top_k"),  # top_k > num_experts
+        (dict(hidden_size=0), ValueError, "hidden_size"),
+        (dict(ffn_hidden_size=1.5), TypeError, "ffn_hidden_size"),
+        (dict(score="tanh"), ValueError, "score"),
+        (dict(backend="cuda"), ValueError, "backend"),
+        (dict(activation="relu"), ValueError, "activation"),
+        (dict(ep_group=object()), ValueError, "ep_group"),  # torch.distributed not initialized
+    ],
+    ids=["k>E", "H=0", "F-float", "score", "backend", "activation", "ep-no-dist"],
+)
+def test_layer_rejects_bad_arguments(kwargs, exc, match):
+    args = dict(hidden_size=8, ffn_hidden_size=8, num_experts=8, top_k=2)
+    args.update(kwargs)
+    if "ep_group" in kwargs:
+        assert not dist.is_initialized()
+    with pytest.raises(exc, match=match):
+        MoE(args.pop("hidden_size"), args.pop("ffn_hidden_size"), args.pop("num_experts"), args.pop("top_k"),
+            **args)
+
+
+def test_layer_rejects_bad_x():
+    moe = MoE(8, 8, 4, 2, backend="torch")
+    with pytest.raises(ValueError, match=r"x: expected shape \(T, 8\) or \(B, S, 8\)"):
+        moe(torch.randn(3, 9))
+    with pytest.raises(ValueError, match="x: expected shape"):
+        moe(torch.randn(8))
+    with pytest.raises(TypeError, match="x: expected dtype torch.float32"):
+        moe(torch.randn(3, 8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="x: expected a torch.Tensor"):
+        moe([[0.0] * 8])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_of_forward_backward():
+    """One-GPU layer forward + backward captured in one CUDA graph: sync-free (no .item(), no
+    nonzero, no bincount). Replays on new inputs equal eager runs bit for bit."""
+    torch.manual_seed(0)
+    H, F_, E, k, T = 256, 512, 8, 2, 512
+    moe = MoE(H, F_, E, k, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, device="cuda", dtype=torch.bfloat16)
+    params = [p for p in moe.parameters()]
+    static_x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    static_dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        y = moe(static_x)
+        y.backward(static_dy)
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compile the Triton kernels, warm the allocator
+            for p in params + [static_x]:
+                p.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for p in params + [static_x]:
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = step()
+
+    for seed in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        new_x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        new_dy = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        static_x.data.copy_(new_x)
+        static_dy.copy_(new_dy)
+        graph.replay()
+        captured = [static_y.clone(), static_x.grad.clone()] + [p.grad.clone() for p in params]
+
+        x = new_x.clone().requires_grad_()
+        y = moe(x)
+        grads = torch.autograd.grad(y, [x] + params, new_dy)
+        eager = [y] + list(grads)
+        for name, c, e in zip(["y", "dx"] + [n for n, _ in moe.named_parameters()], captured, eager):
+            assert torch.equal(c, e), f"{name}: graph replay differs from eager, max {(c - e).abs().max()}"
