@@ -1,21 +1,19 @@
 """Dispatch units (dispatch.py, _kernels.py) against plain torch.
 
-The Triton gathers run here under TRITON_INTERPRET=1 (set below when there is no GPU, before
-moemlp.moe._kernels is first imported: triton reads it when the kernels are decorated).
+Without a GPU the Triton gathers run under TRITON_INTERPRET=1 in a child process: triton reads the
+variable when a kernel is decorated, and setting it in this process would switch every later
+test's grouped MLP onto the interpreter too.
 """
 
 import os
+import subprocess
+import sys
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from moemlp.moe import dispatch  # noqa: E402
-from moemlp.moe.dispatch import permute, permute_probs, plan_dispatch, unpermute  # noqa: E402
+from moemlp.moe import dispatch
+from moemlp.moe.dispatch import permute, permute_probs, plan_dispatch, unpermute
 
 
 def _random_routing(T, E, k, seed, skip_expert=None):
@@ -137,37 +135,40 @@ def test_sync_free_plan_ops():
     assert plan.splits.shape == (4,) and plan.row_of.shape == (12, 2)
 
 
-def _triton_available():
+def check_triton_gathers_match_torch_bitwise(device):
+    """Triton permute / unpermute (forward and backward) equal the torch path bit for bit: same
+    gathers, same k order, same fp32 accumulation."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for H in (7, 1030):  # odd width; more than one 1024-column block
+            T, E, k = 19, 5, 3
+            idx = _random_routing(T, E, k, seed=12, skip_expert=1).to(device)
+            plan = plan_dispatch(idx, E)
+            g = torch.Generator().manual_seed(13)
+            x = torch.randn(T, H, generator=g).to(device=device, dtype=dtype).requires_grad_()
+            outs = []
+            for use in (False, True):
+                x_perm = permute(x, plan, use)
+                y = unpermute(x_perm * 1.5, plan, use)
+                (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+                outs.append((x_perm, y, dx))
+            for name, a, b in zip(("x_perm", "y", "dx"), *outs):
+                assert torch.equal(a, b), f"{name} {dtype} H={H}: Triton differs from torch"
+    # Empty inputs launch nothing.
+    empty = plan_dispatch(torch.empty(0, 2, dtype=torch.int64, device=device), 4)
+    x0 = torch.empty(0, 8, device=device)
+    assert permute(x0, empty, True).shape == (0, 8) and unpermute(x0, empty, True).shape == (0, 8)
+
+
+def test_triton_gathers_match_torch_bitwise():
     if torch.cuda.is_available():
-        return True
-    from moemlp.moe import _kernels
-
-    return type(_kernels._gather_rows_kernel).__name__ == "InterpretedFunction"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("H", [7, 1030], ids=["H-odd", "H-over-block"])
-def test_triton_gathers_match_torch_bitwise(dtype, H):
-    if not _triton_available():
-        pytest.skip("moemlp.moe._kernels was imported before TRITON_INTERPRET=1 was set")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    T, E, k = 19, 5, 3
-    idx = _random_routing(T, E, k, seed=12, skip_expert=1).to(device)
-    plan = plan_dispatch(idx, E)
-    g = torch.Generator().manual_seed(13)
-    x = torch.randn(T, H, generator=g).to(device=device, dtype=dtype).requires_grad_()
-    outs = []
-    for use in (False, True):
-        x_perm = permute(x, plan, use)
-        y = unpermute(x_perm * 1.5, plan, use)
-        gy = torch.ones_like(y)
-        (dx,) = torch.autograd.grad(y, x, gy)
-        outs.append((x_perm, y, dx))
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
-    # Empty inputs launch nothing and return empty tensors.
-    empty = plan_dispatch(torch.empty(0, k, dtype=torch.int64, device=device), E)
-    assert permute(x[:0].detach(), empty, True).shape == (0, H)
+        check_triton_gathers_match_torch_bitwise("cuda")
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
+    code = "import test_dispatch as t; t.check_triton_gathers_match_torch_bitwise('cpu')"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 def test_use_triton_choice():

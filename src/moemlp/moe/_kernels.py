@@ -18,7 +18,7 @@ __all__ = ["gather_rows", "gather_sum_rows"]
 
 # The CPU interpreter (triton 3.9, checked 2026-11-30) truncates fp32 -> bf16 instead of rounding to
 # nearest even; under it the k-sum is stored in fp32 and rounded by torch. The GPU rounds in the store.
-_INTERPRET_BF16_STORE_FP32 = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET_BF16_STORE_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 # One program per (row, 1024 columns): H = 7168 is 7 programs a row; a 2-byte row chunk of 2 KiB
 # keeps loads vectorised without spilling.

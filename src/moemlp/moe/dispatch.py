@@ -23,7 +23,8 @@ the grouped MLP, whose fp32 dprobs come back through the same bijection.
 from __future__ import annotations
 
 import os
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -50,7 +51,7 @@ class DispatchPlan(NamedTuple):
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def use_triton(backend: str, device: torch.device) -> bool:

@@ -20,7 +20,7 @@ is the same on every rank), which NCCL and gloo require.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
