@@ -104,10 +104,12 @@ def _grouped_mlp_bwd_op(
     recipe: str,
     backend: str,
     needs: list[bool],
+    wgrad_fp32: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     cfg = _make_config(activation, activation_params, glu_interleave, scale_fc2_bias, recipe)
+    kw = {"wgrad_dtype": torch.float32} if wgrad_fp32 else {}
     grads = _backend_module(backend).grouped_mlp_bwd(
-        dy, x, h, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, cfg, tuple(needs)
+        dy, x, h, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, cfg, tuple(needs), **kw
     )
     # A custom op returns tensors only: a gradient that was not asked for is an empty tensor.
     return tuple(g if g is not None else x.new_empty(0) for g in grads)
@@ -119,11 +121,37 @@ def _grad_like(t: Optional[Tensor], need: bool, x: Tensor) -> Tensor:
 
 @_grouped_mlp_bwd_op.register_fake
 def _(dy, x, h, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *args):
-    needs = args[-1]
-    return tuple(
+    needs, wgrad_fp32 = args[-2], args[-1]
+    grads = [
         _grad_like(t, need, x)
         for t, need in zip((x, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias), needs)
-    )
+    ]
+    if wgrad_fp32:
+        grads[2:4] = [g.float() for g in grads[2:4]]
+    return tuple(grads)
+
+
+@torch.library.custom_op("moemlp::grouped_fc1", mutates_args=())
+def _grouped_fc1_op(
+    x: Tensor,
+    splits: Tensor,
+    fc1_weight: Tensor,
+    fc1_bias: Optional[Tensor],
+    activation: str,
+    activation_params: list[float],
+    glu_interleave: int,
+    scale_fc2_bias: bool,
+    recipe: str,
+    backend: str,
+) -> Tensor:
+    """h alone, recomputed in backward when recompute_fc1=True (forward kept only x)."""
+    cfg = _make_config(activation, activation_params, glu_interleave, scale_fc2_bias, recipe)
+    return _backend_module(backend).grouped_fc1(x, splits, fc1_weight, fc1_bias, cfg)
+
+
+@_grouped_fc1_op.register_fake
+def _(x, splits, fc1_weight, *args):
+    return x.new_empty((x.shape[0], fc1_weight.shape[1]))
 
 
 # --- autograd ---------------------------------------------------------------------------------
@@ -146,6 +174,8 @@ class _GroupedMLPFunction(torch.autograd.Function):
         scale_fc2_bias,
         recipe_key,
         backend,
+        recompute_fc1,
+        accumulate_into_main_grad,
     ):
         y, h = _grouped_mlp_fwd_op(
             x,
@@ -163,13 +193,20 @@ class _GroupedMLPFunction(torch.autograd.Function):
             backend,
         )
         # Kept for backward: x, h (compute dtype), probs and the weights; a and z are recomputed.
-        ctx.save_for_backward(x, h, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias)
+        # With recompute_fc1, h is not kept either: backward runs FC1 again from x.
+        ctx.save_for_backward(x, None if recompute_fc1 else h, splits, probs, fc1_weight, fc2_weight,
+                              fc1_bias, fc2_bias)
         ctx.options = (activation, activation_params, glu_interleave, scale_fc2_bias, recipe_key, backend)
+        ctx.recompute_fc1 = recompute_fc1
+        # Parameters whose weight gradient goes into their fp32 .main_grad (Megatron-Core style).
+        ctx.main_grad_params = (fc1_weight, fc2_weight) if accumulate_into_main_grad else None
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, h, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias = ctx.saved_tensors
+        if ctx.recompute_fc1:
+            h = _grouped_fc1_op(x, splits, fc1_weight, fc1_bias, *ctx.options)
         n = ctx.needs_input_grad
         needs = [n[0], n[2] and probs is not None, n[3], n[4], n[5] and fc1_bias is not None,
                  n[6] and fc2_bias is not None]
@@ -185,7 +222,12 @@ class _GroupedMLPFunction(torch.autograd.Function):
             fc2_bias,
             *ctx.options,
             needs,
+            ctx.main_grad_params is not None,
         )
+        if ctx.main_grad_params is not None:
+            dw1, dw2 = (_into_main_grad(w, dw) for w, dw in zip(ctx.main_grad_params, (dw1, dw2)))
+            needs[2] = dw1 is not None
+            needs[3] = dw2 is not None
         return (
             dx if needs[0] else None,  # x
             None,  # splits
@@ -200,7 +242,22 @@ class _GroupedMLPFunction(torch.autograd.Function):
             None,  # scale_fc2_bias
             None,  # recipe_key
             None,  # backend
+            None,  # recompute_fc1
+            None,  # accumulate_into_main_grad
         )
+
+
+def _into_main_grad(weight: Tensor, dw: Tensor) -> Optional[Tensor]:
+    """Add an fp32 weight gradient into weight.main_grad. As Megatron-Core's DDP expects: where the
+    parameter carries ``grad_added_to_main_grad``, set it and hand autograd a zero gradient (so its
+    hooks fire); otherwise autograd gets no gradient for it."""
+    if dw.numel() == 0:
+        return None
+    weight.main_grad.add_(dw)
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        return torch.zeros_like(weight)
+    return None
 
 
 # --- the public function ----------------------------------------------------------------------
@@ -245,6 +302,8 @@ def grouped_mlp(
     scale_fc2_bias: bool = False,
     recipe=None,
     backend: str = "auto",
+    recompute_fc1: bool = False,
+    accumulate_into_main_grad: bool = False,
 ) -> Tensor:
     """The expert block of an MoE layer for all experts at once (SPEC §1).
 
@@ -264,6 +323,9 @@ def grouped_mlp(
         scale_fc2_bias: multiply fc2_bias by probs.
         recipe: None, a recipe name ('fp8_block', 'mxfp8', 'nvfp4') or a recipe object.
         backend: 'auto' (Triton on CUDA when it can run the call, else torch), 'torch', 'triton'.
+        recompute_fc1: keep only x for backward and run FC1 again there (saves the (M, N1) h).
+        accumulate_into_main_grad: add the weight gradients, computed in fp32, into each weight's
+            fp32 ``main_grad`` (Megatron-Core's gradient-accumulation fusion) instead of ``.grad``.
 
     Non-contiguous tensors are copied to contiguous ones once, here, before the ops run.
 
@@ -290,6 +352,19 @@ def grouped_mlp(
     # be a data-dependent guard); the Triton path never reads device splits on the host.
     if splits.device.type == "cpu" and not torch.compiler.is_compiling():
         validate_split_values(splits, M)
+    for name, flag in (("recompute_fc1", recompute_fc1), ("accumulate_into_main_grad", accumulate_into_main_grad)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    if accumulate_into_main_grad:
+        for name, w in (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
+            mg = getattr(w, "main_grad", None)
+            if not isinstance(mg, Tensor):
+                raise ValueError(f"{name}: accumulate_into_main_grad needs a tensor {name}.main_grad")
+            if mg.dtype != torch.float32 or mg.shape != w.shape or mg.device != w.device:
+                raise TypeError(
+                    f"{name}.main_grad: expected float32 of shape {tuple(w.shape)} on {w.device}, got "
+                    f"{mg.dtype} of shape {tuple(mg.shape)} on {mg.device}"
+                )
     if recipe_obj is not None and x.dtype == torch.float64:
         raise TypeError("recipe: block-scaled recipes take bf16, fp16 or fp32 inputs, got float64 x")
     if splits.device != x.device:
@@ -308,4 +383,6 @@ def grouped_mlp(
         scale_fc2_bias,
         recipe_obj.key if recipe_obj is not None else "",
         be,
+        recompute_fc1,
+        accumulate_into_main_grad,
     )

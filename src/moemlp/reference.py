@@ -28,7 +28,7 @@ from torch import Tensor
 from ._config import MLPConfig
 from ._validate import validate_split_values
 
-__all__ = ["grouped_mlp_fwd", "grouped_mlp_bwd", "ExpertLayout"]
+__all__ = ["grouped_mlp_fwd", "grouped_mlp_bwd", "grouped_fc1", "ExpertLayout"]
 
 
 class ExpertLayout:
@@ -108,6 +108,21 @@ def _weight(w: Tensor, acc: torch.dtype, recipe, dim: int) -> Tensor:
     return w.to(acc) if recipe is None else recipe.qdq_weight(w, dim)
 
 
+def _fc1(x, lay: ExpertLayout, fc1_weight, fc1_bias, acc, recipe) -> Tensor:
+    """h in the accumulation dtype for the routed rows (T, N1)."""
+    x_op = _operand(x[: lay.total], acc, recipe, -1)
+    h_acc = lay.unpad(torch.bmm(lay.pad(x_op), _weight(fc1_weight, acc, recipe, -1).transpose(1, 2)))
+    if fc1_bias is not None:
+        h_acc = h_acc + fc1_bias.to(acc)[lay.expert]
+    return h_acc
+
+
+def grouped_fc1(x, splits, fc1_weight, fc1_bias, cfg: MLPConfig) -> Tensor:
+    """h (M, N1) in x.dtype alone: the recomputation of FC1 in backward (recompute_fc1=True)."""
+    lay = ExpertLayout(splits, x.shape[0], x.device)
+    return lay.full(_fc1(x, lay, fc1_weight, fc1_bias, _acc_dtype(x.dtype), cfg.recipe), x.dtype)
+
+
 def grouped_mlp_fwd(
     x: Tensor,  # (M, H), rows grouped by expert
     splits: Tensor,  # (E,) rows per expert
@@ -125,10 +140,7 @@ def grouped_mlp_fwd(
     T = lay.total
     e = lay.expert
 
-    x_op = _operand(x[:T], acc, recipe, -1)
-    h_acc = lay.unpad(torch.bmm(lay.pad(x_op), _weight(fc1_weight, acc, recipe, -1).transpose(1, 2)))
-    if fc1_bias is not None:
-        h_acc = h_acc + fc1_bias.to(acc)[e]
+    h_acc = _fc1(x, lay, fc1_weight, fc1_bias, acc, recipe)
     p = probs[:T].to(acc) if probs is not None else None  # exact upcast; fp32 stays fp32
 
     z = activate(h_acc, cfg)  # from the unrounded accumulator
@@ -154,6 +166,7 @@ def grouped_mlp_bwd(
     fc2_bias: Optional[Tensor],
     cfg: MLPConfig,
     needs: tuple[bool, bool, bool, bool, bool, bool],  # dx, dprobs, dw1, dw2, db1, db2
+    wgrad_dtype: Optional[torch.dtype] = None,  # dW1/dW2 dtype; None = the weights' (fp32 for main_grad)
 ) -> tuple[Optional[Tensor], ...]:
     """Returns (dx, dprobs, dfc1_weight, dfc2_weight, dfc1_bias, dfc2_bias); None where not needed."""
     need_dx, need_dprobs, need_dw1, need_dw2, need_db1, need_db2 = needs
@@ -183,7 +196,7 @@ def grouped_mlp_bwd(
             else:
                 dy_q, z_q = recipe.qdq_wgrad(dy_v, z, splits)
                 dy_op, z_op = lay.pad(dy_q), lay.pad(z_q)
-            dw2 = torch.bmm(dy_op.transpose(1, 2), z_op).to(fc2_weight.dtype)
+            dw2 = torch.bmm(dy_op.transpose(1, 2), z_op).to(wgrad_dtype or fc2_weight.dtype)
 
     if need_dx or need_dprobs or need_dw1 or need_db1:
         dy_op = _operand(dy_v, acc, recipe, -1)
@@ -209,7 +222,7 @@ def grouped_mlp_bwd(
                     g_q, x_q = recipe.qdq_wgrad(g_h_acc, x[:T], splits)
                     g_p, x_p = lay.pad(g_q), lay.pad(x_q)
                 if need_dw1:
-                    dw1 = torch.bmm(g_p.transpose(1, 2), x_p).to(fc1_weight.dtype)
+                    dw1 = torch.bmm(g_p.transpose(1, 2), x_p).to(wgrad_dtype or fc1_weight.dtype)
                 if need_db1:
                     g_b = g_p if recipe is None else lay.pad(g_h_acc.to(x.dtype).to(acc))
                     db1 = g_b.sum(1).to(fc1_bias.dtype)

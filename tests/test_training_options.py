@@ -1,0 +1,56 @@
+"""recompute_fc1 and accumulate_into_main_grad (Megatron-Core-style training integration)."""
+
+import pytest
+import torch
+
+import moemlp
+from _cases import make_problem, run
+
+
+@pytest.mark.parametrize("backend", ["torch"])
+def test_recompute_fc1_same_bits_and_keeps_no_h(backend):
+    p = make_problem([21, 0, 17], 32, 16, capacity=3, bias=True, seed=20)
+    y0, g0 = run(p, backend=backend)
+    y1, g1 = run(p, backend=backend, recompute_fc1=True)
+    assert torch.equal(y0, y1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        moemlp.grouped_mlp(p.x, p.splits, p.probs, p.fc1_weight, p.fc2_weight, backend=backend,
+                           recompute_fc1=True)
+    assert not any(tuple(t.shape) == (p.x.shape[0], 32) and t is not p.x for t in saved)
+
+
+def test_accumulate_into_main_grad():
+    p = make_problem([21, 0, 17], 32, 16, seed=21)
+    _, g_ref = run(p, backend="torch")  # weight grads in bf16 through .grad
+    w1, w2 = (torch.nn.Parameter(t.detach().clone()) for t in (p.fc1_weight, p.fc2_weight))
+    w1.main_grad, w2.main_grad = torch.zeros(w1.shape), torch.zeros(w2.shape)
+    w2.grad_added_to_main_grad = False
+    for step in (1, 2):
+        y = moemlp.grouped_mlp(p.x, p.splits, p.probs, w1, w2, backend="torch", accumulate_into_main_grad=True)
+        y.backward(p.dy)
+        if step == 1:
+            first = (w1.main_grad.clone(), w2.main_grad.clone())
+    assert w1.grad is None  # no flag: autograd gets no gradient
+    assert w2.grad_added_to_main_grad and torch.equal(w2.grad, torch.zeros_like(w2))
+    for w, once, name in ((w1, first[0], "fc1_weight"), (w2, first[1], "fc2_weight")):
+        # The fp32 wgrad is the unrounded accumulator: rounding it gives the bf16 gradient exactly,
+        # and it carries bits bf16 does not.
+        assert torch.equal(once.to(torch.bfloat16), g_ref[name]), name
+        assert not torch.equal(once.to(torch.bfloat16).float(), once), name
+        assert torch.equal(w.main_grad, 2 * once), name  # accumulated, not overwritten
+    assert p.probs.grad.dtype == torch.float32
+
+
+def test_accumulate_into_main_grad_needs_main_grad():
+    p = make_problem([3, 4], 16, 8, seed=22)
+    with pytest.raises(ValueError, match="fc1_weight.main_grad"):
+        moemlp.grouped_mlp(p.x, p.splits, p.probs, p.fc1_weight, p.fc2_weight, accumulate_into_main_grad=True)
+    w1 = p.fc1_weight.detach().requires_grad_()
+    w1.main_grad = torch.zeros(w1.shape, dtype=torch.bfloat16)
+    w2 = p.fc2_weight.detach().requires_grad_()
+    w2.main_grad = torch.zeros(w2.shape)
+    with pytest.raises(TypeError, match="float32"):
+        moemlp.grouped_mlp(p.x, p.splits, p.probs, w1, w2, accumulate_into_main_grad=True)
