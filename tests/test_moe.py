@@ -150,6 +150,37 @@ def test_layer_is_deterministic():
         assert torch.equal(u, v)
 
 
+def test_recompute_fc1_gives_the_same_gradients():
+    H, F_, E, k, T = 16, 24, 6, 2, 30
+    x = torch.randn(T, H, requires_grad=True)
+    dy = torch.randn(T, H)
+    plain = _grads(make_layer(H, F_, E, k, torch.float32), x, dy)
+    recomputed = _grads(make_layer(H, F_, E, k, torch.float32, recompute_fc1=True), x, dy)
+    for a, b in zip(plain, recomputed):  # FC1 rerun on the same rows: the same bits
+        assert torch.equal(a, b)
+
+
+def test_accumulate_into_main_grad():
+    """Expert weight gradients land in fp32 .main_grad (added to what is there), not in .grad."""
+    H, F_, E, k, T = 16, 24, 6, 2, 30
+    x = torch.randn(T, H)
+    dy = torch.randn(T, H)
+    ref = make_layer(H, F_, E, k, torch.bfloat16)
+    ref(x.bfloat16()).backward(dy.bfloat16())
+    moe = make_layer(H, F_, E, k, torch.bfloat16, accumulate_into_main_grad=True)
+    w1, w2 = moe.experts.fc1_weight, moe.experts.fc2_weight
+    w1.main_grad = torch.ones(w1.shape, dtype=torch.float32)
+    w2.main_grad = torch.zeros(w2.shape, dtype=torch.float32)
+    moe(x.bfloat16()).backward(dy.bfloat16())
+    assert w1.grad is None and w2.grad is None
+    assert moe.router.weight.grad is not None
+    torch.testing.assert_close(moe.router.weight.grad, ref.router.weight.grad, rtol=0, atol=0)
+    # fp32 wgrad vs the bf16 one rounded once: within one bf16 rounding (2^-8 relative).
+    torch.testing.assert_close(w1.main_grad - 1, ref.experts.fc1_weight.grad.float(), rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(w2.main_grad, ref.experts.fc2_weight.grad.float(), rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(w2.main_grad.bfloat16(), ref.experts.fc2_weight.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     "kwargs,exc,match",
     [
@@ -160,8 +191,9 @@ def test_layer_is_deterministic():
         (dict(backend="cuda"), ValueError, "backend"),
         (dict(activation="relu"), ValueError, "activation"),
         (dict(ep_group=object()), ValueError, "ep_group"),  # torch.distributed not initialized
+        (dict(recompute_fc1=1), TypeError, "recompute_fc1"),
     ],
-    ids=["k>E", "H=0", "F-float", "score", "backend", "activation", "ep-no-dist"],
+    ids=["k>E", "H=0", "F-float", "score", "backend", "activation", "ep-no-dist", "recompute-int"],
 )
 def test_layer_rejects_bad_arguments(kwargs, exc, match):
     args = dict(hidden_size=8, ffn_hidden_size=8, num_experts=8, top_k=2)

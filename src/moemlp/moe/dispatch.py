@@ -37,6 +37,8 @@ __all__ = [
     "unpermute",
     "shuffle_rows",
     "use_triton",
+    "local_dispatch",
+    "local_combine",
     "local_moe_forward",
 ]
 
@@ -188,6 +190,32 @@ def shuffle_rows(src: Tensor, index: Tensor, inverse: Tensor, triton: bool = Fal
 ExpertsFn = Callable[[Tensor, Tensor, Optional[Tensor]], Tensor]
 
 
+class LocalState(NamedTuple):
+    """What the combine needs from the dispatch."""
+
+    plan: DispatchPlan
+    triton: bool
+
+
+def local_dispatch(
+    x: Tensor,  # (T, H)
+    probs: Tensor,  # (T, K) fp32
+    expert_idx: Tensor,  # (T, K) int64
+    num_experts: int,
+    triton: bool,
+) -> tuple[Tensor, Tensor, Tensor, LocalState]:
+    """Returns (x_perm (T·K, H), splits (E,), probs_perm (T·K,) fp32, state); no host read."""
+    plan = plan_dispatch(expert_idx, num_experts)
+    x_perm = permute(x, plan, triton)
+    probs_perm = permute_probs(probs, plan)
+    return x_perm, plan.splits, probs_perm, LocalState(plan, triton)
+
+
+def local_combine(y_perm: Tensor, state: LocalState) -> Tensor:
+    """(T·K, H) expert outputs -> (T, H)."""
+    return unpermute(y_perm, state.plan, state.triton)
+
+
 def local_moe_forward(
     x: Tensor,  # (T, H)
     probs: Tensor,  # (T, K) fp32
@@ -197,8 +225,5 @@ def local_moe_forward(
     triton: bool,
 ) -> tuple[Tensor, DispatchPlan]:
     """Dispatch -> experts -> combine on one device; no host read."""
-    plan = plan_dispatch(expert_idx, num_experts)
-    x_perm = permute(x, plan, triton)
-    probs_perm = permute_probs(probs, plan)
-    y_perm = experts(x_perm, plan.splits, probs_perm)
-    return unpermute(y_perm, plan, triton), plan
+    x_perm, splits, probs_perm, state = local_dispatch(x, probs, expert_idx, num_experts, triton)
+    return local_combine(experts(x_perm, splits, probs_perm), state), state.plan

@@ -21,14 +21,23 @@ is the same on every rank), which NCCL and gloo require.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .dispatch import ExpertsFn, permute, permute_probs, plan_dispatch, shuffle_rows, unpermute
+from .dispatch import (
+    DispatchPlan,
+    ExpertsFn,
+    permute,
+    permute_probs,
+    plan_dispatch,
+    shuffle_rows,
+    unpermute,
+)
 
-__all__ = ["all_to_all", "expert_parallel_moe_forward"]
+__all__ = ["all_to_all", "ep_dispatch", "ep_combine", "expert_parallel_moe_forward"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -86,15 +95,28 @@ def _regroup_index(recv_counts: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     return local_from_recv, recv_from_local
 
 
-def expert_parallel_moe_forward(
+class EPState(NamedTuple):
+    """What the combine needs from the dispatch."""
+
+    plan: DispatchPlan
+    send_rows: list[int]  # rows this rank sends to each rank
+    recv_rows: list[int]  # rows this rank receives from each rank
+    local_from_recv: Tensor  # (M_local,) received row of each local-expert-ordered row
+    recv_from_local: Tensor  # its inverse
+    group: object
+    triton: bool
+
+
+def ep_dispatch(
     x: Tensor,  # (T, H) this rank's tokens
     probs: Tensor,  # (T, K) fp32
     expert_idx: Tensor,  # (T, K) int64, global expert ids
     num_experts: int,  # E, all ranks together
-    experts: ExpertsFn,  # this rank's experts: (x_local, splits (E_local,), probs_local) -> y_local
     group,
     triton: bool,
-) -> Tensor:
+) -> tuple[Tensor, Tensor, Tensor, EPState]:
+    """Returns (x_local (M, H), splits (E/W,), probs_local (M,) fp32, state): the rows this rank's
+    experts process, grouped by local expert."""
     W = dist.get_world_size(group)
     E_local = num_experts // W
     plan = plan_dispatch(expert_idx, num_experts)
@@ -114,9 +136,25 @@ def expert_parallel_moe_forward(
     local_from_recv, recv_from_local = _regroup_index(recv_counts, sum(recv_rows))
     x_local = shuffle_rows(x_recv, local_from_recv, recv_from_local, triton)
     probs_local = shuffle_rows(probs_recv, local_from_recv, recv_from_local)
+    state = EPState(plan, send_rows, recv_rows, local_from_recv, recv_from_local, group, triton)
+    return x_local, recv_counts.sum(0), probs_local, state
 
-    y_local = experts(x_local, recv_counts.sum(0), probs_local)
 
-    y_recv = shuffle_rows(y_local, recv_from_local, local_from_recv, triton)
-    y_perm = all_to_all(y_recv, send_rows, recv_rows, group)
-    return unpermute(y_perm, plan, triton)
+def ep_combine(y_local: Tensor, state: EPState) -> Tensor:
+    """(M, H) local expert outputs -> (T, H) this rank's tokens."""
+    y_recv = shuffle_rows(y_local, state.recv_from_local, state.local_from_recv, state.triton)
+    y_perm = all_to_all(y_recv, state.send_rows, state.recv_rows, state.group)
+    return unpermute(y_perm, state.plan, state.triton)
+
+
+def expert_parallel_moe_forward(
+    x: Tensor,  # (T, H) this rank's tokens
+    probs: Tensor,  # (T, K) fp32
+    expert_idx: Tensor,  # (T, K) int64, global expert ids
+    num_experts: int,  # E, all ranks together
+    experts: ExpertsFn,  # this rank's experts: (x_local, splits (E_local,), probs_local) -> y_local
+    group,
+    triton: bool,
+) -> Tensor:
+    x_local, splits, probs_local, state = ep_dispatch(x, probs, expert_idx, num_experts, group, triton)
+    return ep_combine(experts(x_local, splits, probs_local), state)

@@ -8,6 +8,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..functional import grouped_mlp
 from ..modules import GroupedMLP
 from .dispatch import BACKENDS, local_moe_forward, use_triton
 from .ep import expert_parallel_moe_forward
@@ -48,6 +49,12 @@ class MoE(nn.Module):
             be divisible by W; rank r holds experts [r·E/W, (r+1)·E/W). Every rank routes its
             own tokens. The row counts are read on the host once per forward (all_to_all_single
             takes Python ints): the one host sync, and only with W > 1.
+        recompute_fc1: the experts keep only their input rows for backward and run FC1 again
+            there (moemlp.grouped_mlp's option): saves the (T·k, 2F) pre-activation.
+        accumulate_into_main_grad: expert weight gradients are computed in fp32 and added into
+            ``experts.fc1_weight.main_grad`` / ``fc2_weight.main_grad`` (fp32 tensors the caller
+            attaches, as Megatron-Core's DDP does) instead of ``.grad``. The router weight is
+            fp32 already; its gradient goes to ``.grad`` as usual.
         device, dtype: of the expert weights; x must have this dtype. The router is fp32.
     """
 
@@ -68,10 +75,15 @@ class MoE(nn.Module):
         recipe=None,
         ep_group=None,
         backend: str = "auto",
+        recompute_fc1: bool = False,
+        accumulate_into_main_grad: bool = False,
         device=None,
         dtype=None,
     ):
         super().__init__()
+        for name, flag in (("recompute_fc1", recompute_fc1), ("accumulate_into_main_grad", accumulate_into_main_grad)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
         _check_positive_int("hidden_size", hidden_size)
         _check_positive_int("ffn_hidden_size", ffn_hidden_size)
         _check_positive_int("num_experts", num_experts)
@@ -95,6 +107,8 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.backend = backend
+        self.recompute_fc1 = recompute_fc1
+        self.accumulate_into_main_grad = accumulate_into_main_grad
         self.ep_group = ep_group if ep_size > 1 else None
         self.ep_size = ep_size
         self.num_local_experts = num_experts // ep_size
@@ -129,6 +143,26 @@ class MoE(nn.Module):
             f"{self.local_expert_offset + self.num_local_experts}), backend={self.backend!r}"
         )
 
+    def _run_experts(self, x: Tensor, splits: Tensor, probs: Tensor) -> Tensor:
+        e = self.experts
+        return grouped_mlp(
+            x,
+            splits,
+            probs,
+            e.fc1_weight,
+            e.fc2_weight,
+            e.fc1_bias,
+            e.fc2_bias,
+            activation=e.activation,
+            activation_params=e.activation_params,
+            glu_interleave=e.glu_interleave,
+            scale_fc2_bias=e.scale_fc2_bias,
+            recipe=e.recipe,
+            backend=e.backend,
+            recompute_fc1=self.recompute_fc1,
+            accumulate_into_main_grad=self.accumulate_into_main_grad,
+        )
+
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor):
             raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
@@ -146,9 +180,9 @@ class MoE(nn.Module):
         triton = use_triton(self.backend, tokens.device)
         probs, expert_idx = self.router(tokens)
         if self.ep_group is None:
-            y, _ = local_moe_forward(tokens, probs, expert_idx, self.num_experts, self.experts, triton)
+            y, _ = local_moe_forward(tokens, probs, expert_idx, self.num_experts, self._run_experts, triton)
         else:
             y = expert_parallel_moe_forward(
-                tokens, probs, expert_idx, self.num_experts, self.experts, self.ep_group, triton
+                tokens, probs, expert_idx, self.num_experts, self._run_experts, self.ep_group, triton
             )
         return y.view(x.shape)
