@@ -1,0 +1,198 @@
+"""What the three recipes share: the quantized-tensor object, blocking along an axis, and the
+expert-segmented row blocks of the weight-gradient operands.
+
+Blocks that do not divide a dimension: the last, partial block is a block of its own; its amax
+is over its real elements only (the quantizers pad with zeros, which never raise an amax, and cut
+the padding off again). The same holds for the 128×128 weight tiles of fp8_block in both dims and
+for the row blocks of each expert in ``qdq_wgrad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["QuantizedTensor", "Recipe"]
+
+_SRC_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedTensor:
+    """A block-quantized tensor.
+
+    codes:  float8_e4m3fn of the source shape (fp8_block, mxfp8), or uint8 holding two e2m1 codes
+            (nvfp4: element 2i in the low nibble, 2i+1 in the high nibble, paired along ``axis``,
+            so that dim is ceil(n/2) long).
+    scales: the dequantization scale of each block, blocks along ``axis`` (that dim has
+            ceil(n/block) entries): fp32 (fp8_block: 1/scale), float8_e8m0fnu (mxfp8: 2^(e-127)),
+            float8_e4m3fn (nvfp4: the block scale s). fp8_block weights: one per 128×128 tile of
+            the last two dims.
+    tensor_scale: nvfp4 only, the fp32 0-d encode factor S_enc; values are codes·s·(1/S_enc).
+    """
+
+    codes: Tensor
+    scales: Tensor
+    shape: tuple[int, ...]
+    axis: int  # non-negative; for a 128×128 tile quantization, -1 (both last dims)
+    block: tuple[int, ...]  # (128, 128) for fp8_block weights, else (B,)
+    _dequantize: Callable[[QuantizedTensor], Tensor]
+    tensor_scale: Optional[Tensor] = None
+
+    def dequantize(self) -> Tensor:
+        """fp32 tensor of the source shape."""
+        return self._dequantize(self)
+
+
+# --- blocking helpers -----------------------------------------------------------------------------
+
+
+def to_blocks(t: Tensor, axis: int, block: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """t (…, n along axis, …) -> (…, nb, block) fp32 with axis moved last and zero-padded, plus
+    the inverse map from (…, nb, block) back to t's shape."""
+    t = t.float().movedim(axis, -1)
+    n = t.shape[-1]
+    nb = -(-n // block)
+    pad = nb * block - n
+    if pad:
+        t = torch.nn.functional.pad(t, (0, pad))
+    lead = t.shape[:-1]
+
+    def back(b: Tensor) -> Tensor:
+        return b.reshape(*lead, nb * block)[..., :n].movedim(-1, axis)
+
+    return t.reshape(*lead, nb, block), back
+
+
+def scales_to_axis(s: Tensor, axis: int) -> Tensor:
+    """(…, nb) with the blocked axis last -> that dim moved back to ``axis``."""
+    return s.movedim(-1, axis)
+
+
+def scales_from_axis(s: Tensor, axis: int) -> Tensor:
+    return s.movedim(axis, -1)
+
+
+def check_float(t: Tensor, name: str) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _SRC_DTYPES:
+        raise TypeError(f"{name}: expected bf16, fp16, fp32 or fp64, got {t.dtype}")
+
+
+def norm_axis(axis: int, ndim: int, name: str = "axis") -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"{name}: expected an int, got {type(axis).__name__}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name}: expected a dim in [{-ndim}, {ndim}), got {axis}")
+    return axis % ndim
+
+
+def value_for_inf(dtype: torch.dtype) -> float:
+    """The scale fp8_block uses when 448/amax overflows: the source dtype's largest finite value
+    (TE's ``TypeInfo<IType>::max_finite_value``); fp32's for fp64 sources, quantized in fp32."""
+    return torch.finfo(dtype if dtype != torch.float64 else torch.float32).max
+
+
+class ExpertRows:
+    """Rows of a (T, K) operand regrouped so that each expert's rows start on a block boundary.
+
+    Expert e's rows land at padded_start[e] = Σ_{e'<e} ceil(s_e'/B)·B; the padded buffer has room
+    for the worst case T + E·(B−1) rows, so nothing is read on the host. Rows past Σsplits belong
+    to no expert: they are dropped (and come back as zeros).
+    """
+
+    def __init__(self, splits: Tensor, num_rows: int, block: int, device: torch.device):
+        splits = splits.to(device=device, dtype=torch.int64)
+        num_experts = splits.numel()
+        padded = (splits + block - 1) // block * block
+        offsets = torch.cumsum(splits, 0)
+        padded_start = torch.cumsum(padded, 0) - padded
+        rows = torch.arange(num_rows, device=device)
+        expert = torch.searchsorted(offsets, rows, right=True)  # == E past Σsplits
+        self.valid = expert < num_experts
+        e = expert.clamp(max=max(num_experts - 1, 0))
+        pos = rows - (offsets - splits)[e] if num_experts else rows
+        self.pos = pos  # row within its expert
+        self.dest = (padded_start[e] + pos) if num_experts else rows
+        self.full_until = (splits // 16 * 16)[e] if num_experts else rows  # for 16-row Hadamard groups
+        cap = num_rows + num_experts * (block - 1)
+        self.padded_rows = -(-cap // block) * block
+        self.num_rows = num_rows
+
+    def scatter(self, t: Tensor) -> Tensor:
+        """(T, K) -> (P, K) fp32, expert blocks aligned, zeros elsewhere."""
+        out = torch.zeros(self.padded_rows, t.shape[1], dtype=torch.float32, device=t.device)
+        out[self.dest[self.valid]] = t[self.valid].float()
+        return out
+
+    def gather(self, p: Tensor) -> Tensor:
+        """(P, K) -> (T, K), rows past Σsplits zero."""
+        out = torch.zeros(self.num_rows, p.shape[1], dtype=p.dtype, device=p.device)
+        out[self.valid] = p[self.dest[self.valid]]
+        return out
+
+    def index(self, num_cols: int) -> Tensor:
+        """(P, K) int64: the flat index row·K + col of each padded element in the (T, K) source
+        (what stochastic rounding hashes); padding gets indices past T·K."""
+        src = torch.full((self.padded_rows,), -1, dtype=torch.int64, device=self.dest.device)
+        src[self.dest[self.valid]] = torch.nonzero(self.valid).flatten()
+        cols = torch.arange(num_cols, device=src.device)
+        return src[:, None] * num_cols + cols[None, :]
+
+    def hadamard_rows(self) -> Tensor:
+        """(P,) bool: padded rows in a complete 16-row group of their expert."""
+        mask = torch.zeros(self.padded_rows, dtype=torch.bool, device=self.dest.device)
+        mask[self.dest[self.valid]] = (self.pos < self.full_until)[self.valid]
+        return mask
+
+
+class Recipe:
+    """Base of the recipe objects: frozen dataclasses whose fields are their options.
+
+    A subclass gives ``name``, ``block`` (the 1-D block length along a GEMM's reduction dim) and
+    ``_qdq_blocks(xb, src_dtype, **kw)`` (fp32 (…, nb, B) -> fp32 quantize-dequantized values).
+    """
+
+    name: str = ""
+    block: int = 0
+
+    # -- identity across the custom-op boundary --
+    @property
+    def key(self) -> str:
+        opts = ",".join(f"{k}={int(v)}" for k, v in self.options().items())
+        return f"{self.name}:{opts}" if opts else self.name
+
+    def options(self) -> dict:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}  # type: ignore[attr-defined]
+
+    # -- the recipe contract of docs/ARCHITECTURE.md --
+    def qdq(self, t: Tensor, dim: int) -> Tensor:
+        """Quantize-dequantize an activation/gradient operand, blocks along ``dim``; fp32."""
+        return self.quantize(t, axis=dim).dequantize()
+
+    def qdq_weight(self, w: Tensor, dim: int) -> Tensor:
+        """Expert weights (E, A, B), blocks along ``dim`` (fp8_block: 128×128 tiles instead)."""
+        return self.quantize(w, axis=dim).dequantize()
+
+    def qdq_wgrad(self, grad: Tensor, act: Tensor, splits: Tensor) -> tuple[Tensor, Tensor]:
+        """Both operands of the weight-gradient GEMM grad^T @ act, each (T, ·), quantized along rows
+        with blocks restarting at each expert's first row; fp32, rows past Σsplits zero."""
+        if grad.shape[0] != act.shape[0]:
+            raise ValueError(f"qdq_wgrad: grad and act need the same rows, got {grad.shape[0]} and {act.shape[0]}")
+        lay = ExpertRows(splits, grad.shape[0], self.block, grad.device)
+        g = self._qdq_segmented(lay.scatter(grad), lay, grad.dtype, is_grad=True)
+        a = self._qdq_segmented(lay.scatter(act), lay, act.dtype, is_grad=False)
+        return lay.gather(g), lay.gather(a)
+
+    def _qdq_segmented(self, p: Tensor, lay: ExpertRows, src_dtype, is_grad: bool) -> Tensor:
+        """p (P, K) fp32 with expert blocks aligned -> quantize-dequantized along dim 0."""
+        xb, back = to_blocks(p, 0, self.block)
+        return back(self._qdq_blocks(xb, src_dtype))
+
+    def _qdq_blocks(self, xb: Tensor, src_dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
