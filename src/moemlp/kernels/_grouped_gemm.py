@@ -28,6 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - triton < 3.4 has no host-side descriptors
+    TensorDescriptor = None
+
 from ._activations import glu_backward, glu_forward, unary_backward, unary_forward
 
 # Under TRITON_INTERPRET=1, tl.dot on bf16 operands returns garbage (numpy has no bf16 matmul;
@@ -82,6 +87,8 @@ def _pick(idx, vec, e):
 def _grouped_gemm_kernel(
     a_ptr,  # (M, K) compute dtype, rows grouped by expert: x | z | dy | g_h
     b_ptr,  # (E, ·, ·) compute dtype weights; (n, k) of expert e at e·stride_be + n·stride_bn + k·stride_bk
+    a_desc,  # TMA descriptor of a, block [BM, BK] (USE_TMA), else None
+    b_desc,  # TMA descriptor of the (E, ·, ·) weights, block [1, BN, BK] (B_KMAJOR) or [1, BK, BN]
     splits_ptr,  # (E,) int32/int64 rows per expert, on the device
     probs_ptr,  # (M,) fp32/bf16/fp16 router probabilities, upcast exactly (HAS_PROBS)
     bias_ptr,  # (E, N1) fc1_bias (FC1) or (E, H) fc2_bias (FC2), compute dtype (HAS_BIAS)
@@ -109,9 +116,11 @@ def _grouped_gemm_kernel(
     E_BLOCK: tl.constexpr,
     INTERPRETED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    B_KMAJOR: tl.constexpr,
+    SUBTILE: tl.constexpr,
 ):
     TWO_ACC: tl.constexpr = GLU and EPILOGUE == FC1  # gate and up columns of one F block
-    GATHER_H: tl.constexpr = GLU and (EPILOGUE == FC1 or EPILOGUE == FC2_DGRAD)
     pid = tl.program_id(0)
     idx, starts, ends, tiles, tile_cum = _expert_table(splits_ptr, E, M, E_BLOCK, BM)
     total_rows = tl.max(ends)
@@ -141,110 +150,209 @@ def _grouped_gemm_kernel(
 
         rows = row_start + tl.arange(0, BM)
         row_mask = rows < row_end
-        rows64 = rows.to(tl.int64)  # M·K overflows int32 at 128k rows × 16k columns
-        offs_n = tn * BN + tl.arange(0, BN)
-        n_mask = offs_n < N
-        if GATHER_H:
-            n_h = (offs_n // G) * (2 * G) + offs_n % G  # gate column of f; up column = + G
-        else:
-            n_h = offs_n
-        if EPILOGUE == FC1:
-            n_b = n_h
-        else:
-            n_b = offs_n
 
-        b_base = b_ptr + e.to(tl.int64) * stride_be
-        a_ptrs = a_ptr + rows64[:, None] * K + offs_k[None, :]
-        b_ptrs = b_base + n_b[None, :] * stride_bn + offs_k[:, None] * stride_bk
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         if TWO_ACC:
             acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-        for kk in range(0, k_iters):
-            k_mask = offs_k < K - kk * BK
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if INTERPRETED:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if USE_TMA:
+            # The copy engine zero-fills past K and past the weights' edges, so no masks: rows of
+            # the next expert that a tile's last rows read are computed and never stored, and
+            # columns past N likewise (the gate tile of the last F block may reach into up columns).
+            n_b0 = tn * BN
             if TWO_ACC:
-                b_up = tl.load(b_ptrs + G * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                n_b0 = (n_b0 // G) * (2 * G) + n_b0 % G  # the host asks G == F or G % BN == 0
+            for kk in range(0, k_iters):
+                a = a_desc.load([row_start, kk * BK])
+                if B_KMAJOR:
+                    b = tl.trans(b_desc.load([e, n_b0, kk * BK]).reshape(BN, BK))
+                else:
+                    b = b_desc.load([e, kk * BK, n_b0]).reshape(BK, BN)
                 if INTERPRETED:
-                    b_up = b_up.to(tl.float32)
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
-            a_ptrs += BK
-            b_ptrs += BK * stride_bk
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                if TWO_ACC:
+                    b_up = tl.trans(b_desc.load([e, n_b0 + G, kk * BK]).reshape(BN, BK))
+                    if INTERPRETED:
+                        b_up = b_up.to(tl.float32)
+                    acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+        else:
+            rows64 = rows.to(tl.int64)  # M·K overflows int32 at 128k rows × 16k columns
+            offs_n = tn * BN + tl.arange(0, BN)
+            n_mask = offs_n < N
+            if TWO_ACC:
+                n_b = (offs_n // G) * (2 * G) + offs_n % G  # gate row of f in W1; up row = + G
+            else:
+                n_b = offs_n
+            b_base = b_ptr + e.to(tl.int64) * stride_be
+            a_ptrs = a_ptr + rows64[:, None] * K + offs_k[None, :]
+            b_ptrs = b_base + n_b[None, :] * stride_bn + offs_k[:, None] * stride_bk
+            for kk in range(0, k_iters):
+                k_mask = offs_k < K - kk * BK
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                if INTERPRETED:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                if TWO_ACC:
+                    b_up = tl.load(b_ptrs + G * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                    if INTERPRETED:
+                        b_up = b_up.to(tl.float32)
+                    acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+                a_ptrs += BK
+                b_ptrs += BK * stride_bk
 
-        mask = row_mask[:, None] & n_mask[None, :]
         if HAS_PROBS:
             p = tl.load(probs_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        else:
+            p = tl.zeros((BM,), dtype=tl.float32)  # unused
+        if not TWO_ACC:
+            acc_up = acc  # unused
+        # The epilogue runs on column chunks of BN / SUBTILE: act, act' and their operands are
+        # five (BM, BN) fp32 tensors at once, which at 128×128 and 8 warps is 320 registers per
+        # thread; ptxas spilled them (612 local loads in FC2_DGRAD) before the split.
+        col0 = tn * BN
+        if SUBTILE == 1:
+            part = _epilogue(acc, acc_up, col0, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr, z_ptr,
+                             h_ptr, N, N1, G, p0, p1, p2, BM, BN, EPILOGUE, ACT, GLU, HAS_PROBS, HAS_BIAS,
+                             SCALE_BIAS, STORE_Z, INTERPRETED)
+        elif SUBTILE == 2:
+            acc0, acc1 = _halves(acc, BM, BN)
+            up0, up1 = _halves(acc_up, BM, BN)
+            part = _epilogue(acc0, up0, col0, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr, z_ptr,
+                             h_ptr, N, N1, G, p0, p1, p2, BM, BN // 2, EPILOGUE, ACT, GLU, HAS_PROBS, HAS_BIAS,
+                             SCALE_BIAS, STORE_Z, INTERPRETED)
+            part += _epilogue(acc1, up1, col0 + BN // 2, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr,
+                              z_ptr, h_ptr, N, N1, G, p0, p1, p2, BM, BN // 2, EPILOGUE, ACT, GLU, HAS_PROBS,
+                              HAS_BIAS, SCALE_BIAS, STORE_Z, INTERPRETED)
+        else:
+            tl.static_assert(SUBTILE == 4)
+            acc0, acc1 = _halves(acc, BM, BN)
+            up0, up1 = _halves(acc_up, BM, BN)
+            acc00, acc01 = _halves(acc0, BM, BN // 2)
+            acc10, acc11 = _halves(acc1, BM, BN // 2)
+            up00, up01 = _halves(up0, BM, BN // 2)
+            up10, up11 = _halves(up1, BM, BN // 2)
+            # _halves(x) gives the columns [0, BN/2) and [BN/2, BN): chunk order 00, 01, 10, 11.
+            BQ: tl.constexpr = BN // 4
+            part = _epilogue(acc00, up00, col0, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr, z_ptr,
+                             h_ptr, N, N1, G, p0, p1, p2, BM, BQ, EPILOGUE, ACT, GLU, HAS_PROBS, HAS_BIAS,
+                             SCALE_BIAS, STORE_Z, INTERPRETED)
+            part += _epilogue(acc01, up01, col0 + BQ, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr,
+                              z_ptr, h_ptr, N, N1, G, p0, p1, p2, BM, BQ, EPILOGUE, ACT, GLU, HAS_PROBS, HAS_BIAS,
+                              SCALE_BIAS, STORE_Z, INTERPRETED)
+            part += _epilogue(acc10, up10, col0 + 2 * BQ, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr,
+                              z_ptr, h_ptr, N, N1, G, p0, p1, p2, BM, BQ, EPILOGUE, ACT, GLU, HAS_PROBS, HAS_BIAS,
+                              SCALE_BIAS, STORE_Z, INTERPRETED)
+            part += _epilogue(acc11, up11, col0 + 3 * BQ, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr,
+                              z_ptr, h_ptr, N, N1, G, p0, p1, p2, BM, BQ, EPILOGUE, ACT, GLU, HAS_PROBS, HAS_BIAS,
+                              SCALE_BIAS, STORE_Z, INTERPRETED)
+        if STORE_PARTIAL:
+            # Σ_f g_z·a over this F tile, chunks added in column order: a fixed order.
+            part = tl.where(is_real, part, 0.0)
+            tl.store(partial_ptr + tn.to(tl.int64) * M + rows, part, mask=row_mask)
 
-        if EPILOGUE == FC1:
-            h_gate = acc
+
+@triton.jit
+def _halves(x, BM: tl.constexpr, BN: tl.constexpr):
+    """(BM, BN) → its column halves [0, BN/2) and [BN/2, BN)."""
+    return x.reshape(BM, 2, BN // 2).permute(0, 2, 1).split()
+
+
+@triton.jit
+def _epilogue(
+    acc,  # (BM, BNS) fp32: h's gate part (FC1), y (FC2), g_z (FC2_DGRAD) or dx (FC1_DGRAD)
+    acc_up,  # (BM, BNS) fp32: h's up part (FC1 with a GLU)
+    col0,  # first output column of the chunk (over F for FC1/FC2_DGRAD, over H otherwise)
+    rows, row_mask, row_start, is_real, e,
+    p,  # (BM,) fp32 probs of the rows
+    bias_ptr, out_ptr, z_ptr, h_ptr,
+    N, N1, G, p0, p1, p2,
+    BM: tl.constexpr,
+    BNS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ACT: tl.constexpr,
+    GLU: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SCALE_BIAS: tl.constexpr,
+    STORE_Z: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """Stores one column chunk of a tile's outputs; returns the chunk's dprobs partial (FC2_DGRAD)."""
+    offs_n = col0 + tl.arange(0, BNS)
+    n_mask = offs_n < N
+    if GLU:
+        n_h = (offs_n // G) * (2 * G) + offs_n % G  # gate column of f in h; up column = + G
+    else:
+        n_h = offs_n
+    mask = row_mask[:, None] & n_mask[None, :]
+    # Addresses: a 64-bit base per tile plus int32 offsets (BM·N1 < 2^31): (BM, BN) int64
+    # pointer tensors would cost two registers per element.
+    local = tl.arange(0, BM)[:, None]
+    row_base = row_start.to(tl.int64)
+    part = tl.zeros((BM,), dtype=tl.float32)
+    if EPILOGUE == FC1:
+        h_gate = acc
+        if HAS_BIAS:
+            bias_row = bias_ptr + e.to(tl.int64) * N1
+            h_gate += tl.load(bias_row + n_h, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            h_up = acc_up
             if HAS_BIAS:
-                bias_row = bias_ptr + e.to(tl.int64) * N1
-                h_gate += tl.load(bias_row + n_h, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            if GLU:
-                h_up = acc_up
-                if HAS_BIAS:
-                    h_up += tl.load(bias_row + n_h + G, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-                act = glu_forward(h_gate, h_up, ACT, p0, p1, p2)  # from the fp32 accumulator
+                h_up += tl.load(bias_row + n_h + G, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            act = glu_forward(h_gate, h_up, ACT, p0, p1, p2)  # from the fp32 accumulator
+        else:
+            act = unary_forward(h_gate, ACT)
+        z = act
+        if HAS_PROBS:
+            z = act * p[:, None]  # fp32 × fp32: an fp32 probs is never rounded
+        h_out = out_ptr + row_base * N1 + (local * N1 + n_h[None, :])
+        tl.store(h_out, _rounded(tl.where(is_real, h_gate, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+        if GLU:
+            tl.store(h_out + G, _rounded(tl.where(is_real, h_up, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+        z_out = z_ptr + row_base * N + (local * N + offs_n[None, :])
+        tl.store(z_out, _rounded(tl.where(is_real, z, 0.0), z_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    elif EPILOGUE == FC2:
+        y = acc
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + e.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            if SCALE_BIAS:
+                y += bias[None, :] * p[:, None]
             else:
-                act = unary_forward(h_gate, ACT)
+                y += bias[None, :]
+        y_out = out_ptr + row_base * N + (local * N + offs_n[None, :])
+        tl.store(y_out, _rounded(tl.where(is_real, y, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    elif EPILOGUE == FC2_DGRAD:
+        g_z = acc  # fp32, never rounded before use
+        h_in = h_ptr + row_base * N1 + (local * N1 + n_h[None, :])
+        h_gate = tl.load(h_in, mask=mask, other=0.0).to(tl.float32)
+        if GLU:
+            h_up = tl.load(h_in + G, mask=mask, other=0.0).to(tl.float32)
+            act, d_gate, d_up = glu_backward(h_gate, h_up, ACT, p0, p1, p2)
+        else:
+            act, d_gate = unary_backward(h_gate, ACT)
+        part = tl.sum(tl.where(mask, g_z * act, 0.0), axis=1)  # fp32 from fp32 g_z and a
+        g_a = g_z
+        if HAS_PROBS:
+            g_a = g_z * p[:, None]
+        g_out = out_ptr + row_base * N1 + (local * N1 + n_h[None, :])
+        tl.store(g_out, _rounded(tl.where(is_real, g_a * d_gate, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+        if GLU:
+            tl.store(g_out + G, _rounded(tl.where(is_real, g_a * d_up, 0.0), out_ptr.dtype.element_ty, INTERPRETED),
+                     mask=mask)
+        if STORE_Z:
             z = act
             if HAS_PROBS:
-                z = act * p[:, None]  # fp32 × fp32: an fp32 probs is never rounded
-            out_row = out_ptr + rows64[:, None] * N1
-            h_gate = tl.where(is_real, h_gate, 0.0)
-            tl.store(out_row + n_h[None, :], _rounded(h_gate, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-            if GLU:
-                h_up = tl.where(is_real, h_up, 0.0)
-                tl.store(out_row + n_h[None, :] + G, _rounded(h_up, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-            z = tl.where(is_real, z, 0.0)
-            tl.store(z_ptr + rows64[:, None] * N + offs_n[None, :], _rounded(z, z_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-        elif EPILOGUE == FC2:
-            y = acc
-            if HAS_BIAS:
-                bias = tl.load(bias_ptr + e.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                if SCALE_BIAS:
-                    y += bias[None, :] * p[:, None]
-                else:
-                    y += bias[None, :]
-            y = tl.where(is_real, y, 0.0)
-            tl.store(out_ptr + rows64[:, None] * N + offs_n[None, :], _rounded(y, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-        elif EPILOGUE == FC2_DGRAD:
-            g_z = acc  # fp32, never rounded before use
-            h_row = h_ptr + rows64[:, None] * N1
-            h_gate = tl.load(h_row + n_h[None, :], mask=mask, other=0.0).to(tl.float32)
-            if GLU:
-                h_up = tl.load(h_row + n_h[None, :] + G, mask=mask, other=0.0).to(tl.float32)
-                act, d_gate, d_up = glu_backward(h_gate, h_up, ACT, p0, p1, p2)
-            else:
-                act, d_gate = unary_backward(h_gate, ACT)
-            if STORE_PARTIAL:
-                part = tl.sum(tl.where(mask, g_z * act, 0.0), axis=1)
-                part = tl.where(is_real, part, 0.0)
-                tl.store(partial_ptr + tn.to(tl.int64) * M + rows, part, mask=row_mask)
-            g_a = g_z
-            if HAS_PROBS:
-                g_a = g_z * p[:, None]
-            out_row = out_ptr + rows64[:, None] * N1
-            g_gate = tl.where(is_real, g_a * d_gate, 0.0)
-            tl.store(out_row + n_h[None, :], _rounded(g_gate, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-            if GLU:
-                g_up = tl.where(is_real, g_a * d_up, 0.0)
-                tl.store(out_row + n_h[None, :] + G, _rounded(g_up, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-            if STORE_Z:
-                z = act
-                if HAS_PROBS:
-                    z = act * p[:, None]
-                z = tl.where(is_real, z, 0.0)
-                tl.store(z_ptr + rows64[:, None] * N + offs_n[None, :], _rounded(z, z_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-        else:
-            tl.static_assert(EPILOGUE == FC1_DGRAD)
-            dx = tl.where(is_real, acc, 0.0)
-            tl.store(out_ptr + rows64[:, None] * N + offs_n[None, :], _rounded(dx, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-
+                z = act * p[:, None]
+            z_out = z_ptr + row_base * N + (local * N + offs_n[None, :])
+            tl.store(z_out, _rounded(tl.where(is_real, z, 0.0), z_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    else:
+        tl.static_assert(EPILOGUE == FC1_DGRAD)
+        dx_out = out_ptr + row_base * N + (local * N + offs_n[None, :])
+        tl.store(dx_out, _rounded(tl.where(is_real, acc, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    return part
 
 
 @triton.jit
@@ -373,27 +481,32 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     GROUP_M: int = 8
-
-
-# One small config under the interpreter: every program runs in numpy, so small tiles keep the
-# CPU suite fast, and 16 is tl.dot's smallest side.
-_INTERPRET_CONFIG = GemmConfig(16, 16, 16, 4, 1, 4)
+    SUBTILE: int = 1  # epilogue column chunks (1, 2 or 4)
 
 
 def default_config(kind: str, N: int, K: int, glu: bool) -> GemmConfig:
-    """Tile shapes for the H200; see benchmarks/NOTES.md for the measurements behind them."""
-    if INTERPRET:
-        return _INTERPRET_CONFIG
+    """Tile shapes for the H200, checked with ptxas (no spills); measurements in benchmarks/NOTES.md.
+
+    Under the interpreter every program runs in numpy: 16-row tiles keep the CPU suite fast (16 is
+    tl.dot's smallest side), with the same epilogue chunking as on the GPU so that code runs too."""
     if kind == "fc1" and glu:
-        # Two 128×128 fp32 accumulators (gate, up) = one 128×256 tile: 128 registers per thread
-        # at 8 warps; 3 stages × (16 KB A + 32 KB B) = 144 KB of shared memory.
-        return GemmConfig(128, 128, 64, 8, 3)
-    if kind == "fc2_dgrad":
-        # The epilogue loads two h tiles and evaluates act and act': a 128×128 tile leaves it room.
-        return GemmConfig(128, 128, 64, 8, 4)
-    if kind == "wgrad":
-        return GemmConfig(128, 128, 64, 8, 4)
-    return GemmConfig(128, 256, 64, 8, 3)
+        # Two 128×128 fp32 accumulators (gate, up) = one 128×256 tile, 128 registers per thread at
+        # 8 warps; the epilogue in 4 chunks of 32 columns fits in the rest (254 registers, no
+        # spills; 2 chunks spilled 55 local loads). 4 stages × 48 KB of shared memory.
+        gpu = GemmConfig(128, 128, 64, 8, 4, SUBTILE=4)
+    elif kind == "fc1":
+        gpu = GemmConfig(128, 128, 64, 8, 4, SUBTILE=2)
+    elif kind == "fc2_dgrad":
+        # The epilogue holds g_z, h gate/up, a, act' at once: 4 chunks (8 local loads left).
+        gpu = GemmConfig(128, 128, 64, 8, 4, SUBTILE=4)
+    elif kind == "wgrad":
+        gpu = GemmConfig(128, 128, 64, 8, 4)
+    else:
+        # FC2 and FC1_DGRAD: plain epilogues; 128×256 is Hopper's usual best bf16 tile (202 regs).
+        gpu = GemmConfig(128, 256, 64, 8, 3)
+    if INTERPRET:
+        return GemmConfig(16, 32 if gpu.SUBTILE > 1 else 16, 16, 4, 1, GROUP_M=4, SUBTILE=gpu.SUBTILE)
+    return gpu
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -410,6 +523,17 @@ def _num_programs(device: torch.device, bound: int) -> int:
 
 def _e_block(E: int) -> int:
     return max(16, triton.next_power_of_2(E))
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """The copy engine wants 16-byte aligned bases and row strides: true for contiguous tensors
+    whose rows are multiples of 8 bf16 elements, unless a caller passes an offset view."""
+    if TensorDescriptor is None:
+        return False
+    for t in tensors:
+        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
+            return False
+    return True
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -447,8 +571,17 @@ def launch_grouped_gemm(
     num_progs = _num_programs(a.device, bound)
     params = tuple(cfg.activation_params) + (0.0,) * (3 - len(cfg.activation_params))
     dummy = a  # never dereferenced: the constexpr flags switch its loads and stores off
+    b_kmajor = b_strides[2] == 1
+    glu_gather = cfg.glu and epilogue == FC1.value
+    use_tma = _tma_ok(a, b) and (not glu_gather or N % cfg.glu_interleave == 0 and (
+        cfg.glu_interleave == N or cfg.glu_interleave % config.BN == 0))
+    a_desc = b_desc = None
+    if use_tma:
+        a_desc = TensorDescriptor.from_tensor(a, [config.BM, config.BK])
+        b_block = [1, config.BN, config.BK] if b_kmajor else [1, config.BK, config.BN]
+        b_desc = TensorDescriptor.from_tensor(b, b_block)
     _grouped_gemm_kernel[(num_progs,)](
-        a, b, splits,
+        a, b, a_desc, b_desc, splits,
         probs if probs is not None else dummy,
         bias if bias is not None else dummy,
         out,
@@ -475,6 +608,9 @@ def launch_grouped_gemm(
         E_BLOCK=_e_block(E),
         INTERPRETED=INTERPRET,
         DOT_PRECISION=_dot_precision(a.dtype),
+        USE_TMA=use_tma,
+        B_KMAJOR=b_kmajor,
+        SUBTILE=config.SUBTILE,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
