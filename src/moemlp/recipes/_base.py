@@ -9,6 +9,7 @@ for the row blocks of each expert in ``qdq_wgrad``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -33,6 +34,9 @@ class QuantizedTensor:
             float8_e4m3fn (nvfp4: the block scale s). fp8_block weights: one per 128×128 tile of
             the last two dims.
     tensor_scale: nvfp4 only, the fp32 0-d encode factor S_enc; values are codes·s·(1/S_enc).
+    rows:   weight-gradient operands only (``quantize_wgrad``): codes and scales then describe the
+            expert-aligned padded (P, K) layout (``shape``), blocks along dim 0, and rows[t] is
+            the padded row of source row t (-1 past Σsplits); ``dequantize`` returns (T, K).
     """
 
     codes: Tensor
@@ -42,10 +46,17 @@ class QuantizedTensor:
     block: tuple[int, ...]  # (128, 128) for fp8_block weights, else (B,)
     _dequantize: Callable[[QuantizedTensor], Tensor]
     tensor_scale: Optional[Tensor] = None
+    rows: Optional[Tensor] = None
 
     def dequantize(self) -> Tensor:
         """fp32 tensor of the source shape."""
-        return self._dequantize(self)
+        values = self._dequantize(self)
+        if self.rows is None:
+            return values
+        out = values.new_zeros(self.rows.shape[0], values.shape[1])
+        valid = self.rows >= 0
+        out[valid] = values[self.rows[valid]]
+        return out
 
 
 # --- blocking helpers -----------------------------------------------------------------------------
@@ -101,9 +112,10 @@ def value_for_inf(dtype: torch.dtype) -> float:
 class ExpertRows:
     """Rows of a (T, K) operand regrouped so that each expert's rows start on a block boundary.
 
-    Expert e's rows land at padded_start[e] = Σ_{e'<e} ceil(s_e'/B)·B; the padded buffer has room
-    for the worst case T + E·(B−1) rows, so nothing is read on the host. Rows past Σsplits belong
-    to no expert: they are dropped (and come back as zeros).
+    Expert e's rows land at padded_start[e] = Σ_{e'<e} ceil(s_e'/B)·B; the padded buffer has
+    P = (ceil(T/B) + E)·B rows, room for the worst case, so nothing is read on the host (the Triton
+    quantizer uses the same layout). Rows past Σsplits belong to no expert: they are dropped (and
+    come back as zeros).
     """
 
     def __init__(self, splits: Tensor, num_rows: int, block: int, device: torch.device):
@@ -120,20 +132,14 @@ class ExpertRows:
         self.pos = pos  # row within its expert
         self.dest = (padded_start[e] + pos) if num_experts else rows
         self.full_until = (splits // 16 * 16)[e] if num_experts else rows  # for 16-row Hadamard groups
-        cap = num_rows + num_experts * (block - 1)
-        self.padded_rows = -(-cap // block) * block
+        self.padded_rows = (-(-num_rows // block) + num_experts) * block
         self.num_rows = num_rows
+        self.row_map = torch.where(self.valid, self.dest, torch.full_like(self.dest, -1))
 
     def scatter(self, t: Tensor) -> Tensor:
-        """(T, K) -> (P, K) fp32, expert blocks aligned, zeros elsewhere."""
-        out = torch.zeros(self.padded_rows, t.shape[1], dtype=torch.float32, device=t.device)
-        out[self.dest[self.valid]] = t[self.valid].float()
-        return out
-
-    def gather(self, p: Tensor) -> Tensor:
-        """(P, K) -> (T, K), rows past Σsplits zero."""
-        out = torch.zeros(self.num_rows, p.shape[1], dtype=p.dtype, device=p.device)
-        out[self.valid] = p[self.dest[self.valid]]
+        """(T, K) -> (P, K) in t's dtype, expert blocks aligned, zeros elsewhere."""
+        out = torch.zeros(self.padded_rows, t.shape[1], dtype=t.dtype, device=t.device)
+        out[self.dest[self.valid]] = t[self.valid]
         return out
 
     def index(self, num_cols: int) -> Tensor:
@@ -154,8 +160,8 @@ class ExpertRows:
 class Recipe:
     """Base of the recipe objects: frozen dataclasses whose fields are their options.
 
-    A subclass gives ``name``, ``block`` (the 1-D block length along a GEMM's reduction dim) and
-    ``_qdq_blocks(xb, src_dtype, **kw)`` (fp32 (…, nb, B) -> fp32 quantize-dequantized values).
+    A subclass gives ``name``, ``block`` (the 1-D block length along a GEMM's reduction dim),
+    ``quantize(x, axis)`` and ``quantize_weight(w)``.
     """
 
     name: str = ""
@@ -184,15 +190,19 @@ class Recipe:
         with blocks restarting at each expert's first row; fp32, rows past Σsplits zero."""
         if grad.shape[0] != act.shape[0]:
             raise ValueError(f"qdq_wgrad: grad and act need the same rows, got {grad.shape[0]} and {act.shape[0]}")
-        lay = ExpertRows(splits, grad.shape[0], self.block, grad.device)
-        g = self._qdq_segmented(lay.scatter(grad), lay, grad.dtype, is_grad=True)
-        a = self._qdq_segmented(lay.scatter(act), lay, act.dtype, is_grad=False)
-        return lay.gather(g), lay.gather(a)
+        g = self.quantize_wgrad(grad, splits, is_grad=True)
+        a = self.quantize_wgrad(act, splits, is_grad=False)
+        return g.dequantize(), a.dequantize()
 
-    def _qdq_segmented(self, p: Tensor, lay: ExpertRows, src_dtype, is_grad: bool) -> Tensor:
-        """p (P, K) fp32 with expert blocks aligned -> quantize-dequantized along dim 0."""
-        xb, back = to_blocks(p, 0, self.block)
-        return back(self._qdq_blocks(xb, src_dtype))
+    def quantize_wgrad(self, t: Tensor, splits: Tensor, is_grad: bool = False) -> QuantizedTensor:
+        """A (T, K) weight-gradient operand in the expert-aligned padded layout (QuantizedTensor.rows),
+        blocks of ``block`` rows that restart at each expert's first row."""
+        check_float(t, "t")
+        if t.ndim != 2:
+            raise ValueError(f"t: expected a (T, K) operand, got shape {tuple(t.shape)}")
+        lay = ExpertRows(splits, t.shape[0], self.block, t.device)
+        q = self._quantize_padded(lay.scatter(t), lay, is_grad)
+        return dataclasses.replace(q, rows=lay.row_map)
 
-    def _qdq_blocks(self, xb: Tensor, src_dtype: torch.dtype) -> Tensor:
-        raise NotImplementedError
+    def _quantize_padded(self, p: Tensor, lay: ExpertRows, is_grad: bool) -> QuantizedTensor:
+        return self.quantize(p, axis=0)

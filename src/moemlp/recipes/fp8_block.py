@@ -102,7 +102,3 @@ class FP8BlockRecipe(Recipe):
 
     def qdq_weight(self, w: Tensor, dim: int) -> Tensor:
         return self.quantize_weight(w).dequantize()
-
-    def _qdq_blocks(self, xb: Tensor, src_dtype: torch.dtype) -> Tensor:
-        codes, scale_inv = quantize_blocks(xb, src_dtype, self.pow2_scales)
-        return codes.float() * scale_inv

@@ -56,7 +56,3 @@ class MXFP8Recipe(Recipe):
     def quantize_weight(self, w: Tensor, axis: int = -1) -> QuantizedTensor:
         """Weights: 1×32 blocks along ``axis`` (the reduction dim: -1 forward, -2 dgrad)."""
         return self.quantize(w, axis)
-
-    def _qdq_blocks(self, xb: Tensor, src_dtype: torch.dtype) -> Tensor:
-        codes, e = quantize_blocks(xb)
-        return codes.float() * F.e8m0_dequant_multiplier(e)

@@ -117,10 +117,14 @@ class NVFP4Recipe(Recipe):
     def quantize(self, x: Tensor, axis: int = -1) -> QuantizedTensor:
         """1×16 blocks along ``axis``; codes packed two per uint8 along ``axis``."""
         check_float(x, "x")
-        axis = norm_axis(axis, x.ndim)
+        return self._quantize(x, norm_axis(axis, x.ndim))
+
+    def _quantize(self, x: Tensor, axis: int, u: Tensor | None = None) -> QuantizedTensor:
         s_enc = tensor_scale(x)
         xb, back = to_blocks(x, axis, BLOCK)
-        codes, s, _ = quantize_blocks(xb, s_enc)
+        if u is not None:
+            u = to_blocks(u, axis, BLOCK)[0]
+        codes, s, _ = quantize_blocks(xb, s_enc, u)
         codes = back(codes).movedim(axis, -1)
         return QuantizedTensor(
             codes=pack(codes).movedim(-1, axis),
@@ -143,15 +147,14 @@ class NVFP4Recipe(Recipe):
     def qdq_weight(self, w: Tensor, dim: int) -> Tensor:
         return self.qdq(w, dim)
 
-    def _qdq_segmented(self, p: Tensor, lay: ExpertRows, src_dtype, is_grad: bool) -> Tensor:
+    def _quantize_padded(self, p: Tensor, lay: ExpertRows, is_grad: bool) -> QuantizedTensor:
         if self.hadamard:
             rows = lay.hadamard_rows()
+            p = p.float()
             groups = p.reshape(-1, 16, p.shape[1]).transpose(1, 2)  # (P/16, K, 16)
             p = torch.where(rows[:, None], hadamard16(groups).transpose(1, 2).reshape(p.shape), p)
         u = None
         if is_grad and self.stochastic_rounding:
+            p = p.float()
             u = F.hash_uniform(0, lay.index(p.shape[1]), F._bits(p))
-            u = u.reshape(-1, 16, p.shape[1]).transpose(1, 2)
-        xb = p.reshape(-1, 16, p.shape[1]).transpose(1, 2)  # (P/16, K, 16): blocks along rows
-        values = quantize_blocks(xb, tensor_scale(p), u)[2]
-        return values.transpose(1, 2).reshape(p.shape)
+        return self._quantize(p, 0, u)

@@ -1,0 +1,586 @@
+"""Triton quantizers for the recipes of SPEC §3: the same codes and scales as the torch reference
+(moemlp.recipes), bit for bit.
+
+Every rounding is written out in integer arithmetic on the fp32 bit pattern (e4m3 round-to-nearest-
+even incl. subnormals, e8m0, e2m1 thresholds) and every division is ``tl.div_rn``: the result
+then does not depend on the GPU's conversion instructions, on Triton's lowering of ``/`` (not
+IEEE-rounded on every version), nor on the CPU interpreter's numpy emulation. The ``@triton.jit``
+helpers (``e4m3_code``, ``fp8_block_scale``, ``e8m0_exponent``, ``nvfp4_block_scale``,
+``e2m1_code``) are meant to be called from GEMM epilogues too.
+
+Launchers:
+    quantize(x, recipe, axis)     x (…, M, K) contiguous; axis -1: 1×B blocks along K (rowwise),
+                                  axis -2: B×1 blocks along M (columnwise)
+    quantize_weight(w, recipe)    fp8_block: 128×128 tiles of the last two dims; others: axis -1
+    quantize_wgrad(t, splits, recipe, is_grad)
+                                  (T, K) operand of a weight-gradient GEMM: blocks along rows that
+                                  restart at each expert's first row (nvfp4: Hadamard rotation and
+                                  stochastic rounding as the recipe says)
+Each returns a moemlp.recipes.QuantizedTensor laid out as the torch quantizer's (wgrad: see there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["quantize", "quantize_weight", "quantize_wgrad", "supports"]
+
+_FP8_BLOCK, _MXFP8, _NVFP4 = 0, 1, 2
+_ROWWISE, _COLWISE, _TILES = 1, 0, 2
+_FLT_MAX = 3.4028234663852886e38
+
+
+# --- element and scale arithmetic (fp32 in, integer codes out) ---------------------------------------
+
+
+@triton.jit
+def abs_or_zero(x):
+    """|x| with NaN -> 0: block amax ignores NaN, as TE's fmaxf reduction does."""
+    return tl.where(x != x, 0.0, tl.abs(x))
+
+
+@triton.jit
+def e4m3_code(v):
+    """fp32 -> e4m3 code bits (int32 in [0, 256)): round to nearest even, saturate to ±448,
+    NaN -> 0x7F with v's sign bit."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    is_nan = v != v
+    a = tl.minimum(tl.abs(v), 448.0)  # saturation first: every |v| >= 448 codes as 448
+    ab = a.to(tl.int32, bitcast=True)
+    # normal e4m3 (a >= 2^-6, biased fp32 exponent >= 121): keep 3 mantissa bits, RNE on the 20
+    # dropped ones, then rebias 127 -> 7
+    normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal e4m3 (a < 2^-6): the code is a / 2^-9 rounded to nearest even (0..8; 8 is 2^-6)
+    exp = ab >> 23
+    mant24 = tl.where(exp > 0, (ab & 0x7FFFFF) | 0x800000, ab & 0x7FFFFF)
+    shift = tl.minimum(141 - tl.maximum(exp, 1), 25)  # mant24·2^(exp-150) in units of 2^-9
+    q = mant24 >> shift
+    rem = mant24 & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    code = tl.where(exp >= 121, normal, sub)
+    return tl.where(is_nan, 0x7F, code) | sign
+
+
+@triton.jit
+def e4m3_value(code):
+    """e4m3 code bits (int32, sign clear, not NaN) -> fp32."""
+    exp = (code >> 3) & 0xF
+    man = code & 7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    return tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # 2^-9
+
+
+@triton.jit
+def fp8_block_scale(amax, POW2: tl.constexpr, VMAX: tl.constexpr):
+    """scale = 448 / amax (IEEE division); overflow -> VMAX (the source dtype's max); POW2 clears the
+    mantissa; amax 0, Inf, NaN -> 1."""
+    scale = tl.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
+    scale = tl.where(scale == float("inf"), VMAX, scale)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # 0xFF800000
+    bad = (amax == 0.0) | (amax == float("inf")) | (amax != amax)
+    return tl.where(bad, 1.0, scale)
+
+
+@triton.jit
+def e8m0_exponent(amax):
+    """The biased e8m0 exponent (int32) of v = amax · fp32(1/448), SPEC §3."""
+    v = amax * 0.002232142857142857  # 1/448, rounded to fp32 once as a constant
+    b = v.to(tl.int32, bitcast=True)
+    exp = (b >> 23) & 0xFF
+    man = b & 0x7FFFFF
+    bump = (man > 0) & (exp != 0xFE) & ~((exp == 0) & (man <= 0x400000))
+    e = exp + bump.to(tl.int32)
+    e = tl.where(v == 0.0, 0, e)
+    e = tl.where(v == float("inf"), 0xFE, e)
+    return tl.where(v != v, 0xFF, e)
+
+
+@triton.jit
+def e8m0_quant_multiplier(e):
+    """2^(127 - e) in fp32 (e = 254 -> 2^-127, e = 255 -> NaN)."""
+    b = tl.where(e == 254, 0x00400000, (254 - e) << 23)
+    b = tl.where(e == 255, 0x7FFFFFFF, b)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def nvfp4_tensor_scale(amax_t):
+    """S_enc = min(2688 / amax_t, FLT_MAX) (fminf: NaN -> FLT_MAX); 1 when amax_t or S_enc is 0."""
+    s = tl.div_rn(2688.0 + tl.zeros_like(amax_t), amax_t)
+    s = tl.where((s != s) | (s > 3.4028234663852886e38), 3.4028234663852886e38, s)
+    return tl.where((amax_t == 0.0) | (s == 0.0), 1.0, s)
+
+
+@triton.jit
+def nvfp4_block_scale(block_amax, s_enc):
+    """(s code bits int32, inv fp32): s = e4m3(block_amax · (S_enc · fp32(1/6))),
+    inv = min(1 / (float(s) · (1/S_enc)), FLT_MAX)."""
+    s_code = e4m3_code(block_amax * (s_enc * 0.16666666666666666))
+    s_dec = tl.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)
+    denom = e4m3_value(s_code) * s_dec
+    inv = tl.div_rn(1.0 + tl.zeros_like(denom), denom)
+    inv = tl.where(inv > 3.4028234663852886e38, 3.4028234663852886e38, inv)
+    return s_code, inv
+
+
+@triton.jit
+def e2m1_code(y):
+    """fp32 -> e2m1 code (int32 in [0, 16)): round to nearest even, saturate to ±6, NaN -> 7."""
+    a = tl.abs(y)
+    idx = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
+    sign = ((y.to(tl.int32, bitcast=True) >> 28) & 8) * (y == y).to(tl.int32)
+    return tl.where(y != y, 7, idx | sign)
+
+
+@triton.jit
+def e2m1_code_stochastic(y, u):
+    """e2m1 code of y rounded up with probability (|y| − lo)/(hi − lo), decided by u < p for the
+    uniform u in [0, 1); the torch reference is recipes._formats.e2m1_round_stochastic."""
+    a = tl.minimum(tl.abs(y), 6.0)
+    lo_idx = (
+        (a >= 0.5).to(tl.int32)
+        + (a >= 1.0).to(tl.int32)
+        + (a >= 1.5).to(tl.int32)
+        + (a >= 2.0).to(tl.int32)
+        + (a >= 3.0).to(tl.int32)
+        + (a >= 4.0).to(tl.int32)
+        + (a >= 6.0).to(tl.int32)
+    )
+    lo = tl.where(lo_idx <= 4, lo_idx.to(tl.float32) * 0.5, tl.where(lo_idx == 5, 3.0, tl.where(lo_idx == 6, 4.0, 6.0)))
+    step = tl.where(lo_idx < 4, 0.5, tl.where(lo_idx < 6, 1.0, tl.where(lo_idx == 6, 2.0, 0.0)))
+    p = tl.where(step > 0, tl.div_rn(a - lo, tl.where(step > 0, step, 1.0)), 0.0)
+    idx = lo_idx + (u < p).to(tl.int32)
+    sign = ((y.to(tl.int32, bitcast=True) >> 28) & 8) * (y == y).to(tl.int32)
+    return tl.where(y != y, 7, idx | sign)
+
+
+@triton.jit
+def _mul32(x, c: tl.constexpr):
+    return x * c  # uint32 arithmetic wraps mod 2^32
+
+
+@triton.jit
+def hash_uniform(index, value_bits):
+    """Uniform fp32 in [0, 1) (multiples of 2^-24) from Wellons' lowbias32 of
+    index·0x9E3779B9 + value_bits (mod 2^32): recipes._formats.hash_uniform with seed 0."""
+    k = index.to(tl.uint32) * 0x9E3779B9 + value_bits.to(tl.uint32)
+    k = k ^ (k >> 16)
+    k = k * 0x7FEB352D
+    k = k ^ (k >> 15)
+    k = k * 0x846CA68B
+    k = k ^ (k >> 16)
+    return (k >> 8).to(tl.float32) * 5.960464477539063e-08  # 2^-24
+
+
+# --- the kernel ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,  # (BATCH, M, K) bf16 / fp16 / fp32, contiguous
+    codes_ptr,  # uint8: (BATCH, M, K); nvfp4 packed along the block axis: (BATCH, M, ⌈K/2⌉) or (BATCH, ⌈M/2⌉, K)
+    scales_ptr,  # (BATCH, M, ⌈K/B⌉) rowwise, (BATCH, ⌈M/B⌉, K) columnwise, (BATCH, ⌈M/128⌉, ⌈K/128⌉) tiles
+    amax_ptr,  # nvfp4: fp32 scalar, the NaN-ignoring amax of the whole tensor
+    M,
+    K,
+    RECIPE: tl.constexpr,  # 0 fp8_block, 1 mxfp8, 2 nvfp4
+    AXIS: tl.constexpr,  # 1 rowwise (blocks along K), 0 columnwise (along M), 2 128×128 tiles
+    BM: tl.constexpr,  # tile rows; = the block for AXIS 0 (nvfp4: half of it, even/odd rows apart)
+    BK: tl.constexpr,  # tile cols; = the block for AXIS 1 (nvfp4: half of it)
+    POW2: tl.constexpr,
+    VMAX: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)  # int64 offsets: E·A·B passes 2^31 for large weights
+    x_ptr += batch * M * K
+    if RECIPE == 2:
+        # two interleaved tiles, even and odd elements along the block axis, so codes pack in pairs
+        if AXIS == 1:
+            rm = pid_m * BM + tl.arange(0, BM)
+            rk = pid_k * (2 * BK) + 2 * tl.arange(0, BK)
+            r_step = 0
+            k_step = 1
+        else:
+            rm = pid_m * (2 * BM) + 2 * tl.arange(0, BM)
+            rk = pid_k * BK + tl.arange(0, BK)
+            r_step = 1
+            k_step = 0
+        m0 = (rm < M)[:, None] & (rk < K)[None, :]
+        m1 = ((rm + r_step) < M)[:, None] & ((rk + k_step) < K)[None, :]
+        off = rm.to(tl.int64)[:, None] * K + rk[None, :]
+        x0 = tl.load(x_ptr + off, mask=m0, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + off + r_step * K + k_step, mask=m1, other=0.0).to(tl.float32)
+        a = tl.maximum(abs_or_zero(x0), abs_or_zero(x1))
+        nan = ((x0 != x0) | (x1 != x1)).to(tl.int32)
+        s_enc = nvfp4_tensor_scale(tl.load(amax_ptr))
+        if AXIS == 1:
+            block_amax = tl.max(a, axis=1)[:, None]
+            has_nan = tl.max(nan, axis=1)[:, None]
+        else:
+            block_amax = tl.max(a, axis=0)[None, :]
+            has_nan = tl.max(nan, axis=0)[None, :]
+        s_code, inv = nvfp4_block_scale(block_amax, s_enc)
+        packed = e2m1_code(x0 * inv) | (e2m1_code(x1 * inv) << 4)
+        s_code = tl.where(has_nan > 0, 0x7F, s_code)
+        if AXIS == 1:
+            kp = (K + 1) // 2
+            c_off = batch * M * kp + rm.to(tl.int64)[:, None] * kp + (rk // 2)[None, :]
+            tl.store(codes_ptr + c_off, packed.to(tl.uint8), mask=(rm < M)[:, None] & (rk < K)[None, :])
+            nb = tl.cdiv(K, 2 * BK)
+            s_off = batch * M * nb + rm.to(tl.int64)[:, None] * nb + pid_k
+            tl.store(scales_ptr + s_off, s_code.to(tl.uint8), mask=(rm < M)[:, None])
+        else:
+            c_off = batch * ((M + 1) // 2) * K + (rm // 2).to(tl.int64)[:, None] * K + rk[None, :]
+            tl.store(codes_ptr + c_off, packed.to(tl.uint8), mask=(rm < M)[:, None] & (rk < K)[None, :])
+            s_off = batch * tl.cdiv(M, 2 * BM) * K + pid_m.to(tl.int64) * K + rk[None, :]
+            tl.store(scales_ptr + s_off, s_code.to(tl.uint8), mask=(rk < K)[None, :])
+    else:
+        rm = pid_m * BM + tl.arange(0, BM)
+        rk = pid_k * BK + tl.arange(0, BK)
+        mask = (rm < M)[:, None] & (rk < K)[None, :]
+        off = rm.to(tl.int64)[:, None] * K + rk[None, :]
+        x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        a = abs_or_zero(x)
+        if AXIS == 1:
+            amax = tl.max(a, axis=1)[:, None]
+        elif AXIS == 0:
+            amax = tl.max(a, axis=0)[None, :]
+        else:
+            amax = tl.max(tl.max(a, axis=1), axis=0) + tl.zeros((1, 1), tl.float32)
+        if RECIPE == 0:
+            scale = fp8_block_scale(amax, POW2, VMAX)
+            codes = e4m3_code(x * scale)
+            scale_out = tl.div_rn(1.0 + tl.zeros_like(scale), scale)  # the dequantization scale
+        else:
+            e = e8m0_exponent(amax)
+            codes = e4m3_code(x * e8m0_quant_multiplier(e))
+            scale_out = e.to(tl.uint8)
+        tl.store(codes_ptr + batch * M * K + off, codes.to(tl.uint8), mask=mask)
+        if AXIS == 1:
+            nb = tl.cdiv(K, BK)
+            s_off = batch * M * nb + rm.to(tl.int64)[:, None] * nb + pid_k
+            tl.store(scales_ptr + s_off, scale_out, mask=(rm < M)[:, None])
+        elif AXIS == 0:
+            s_off = batch * tl.cdiv(M, BM) * K + pid_m.to(tl.int64) * K + rk[None, :]
+            tl.store(scales_ptr + s_off, scale_out, mask=(rk < K)[None, :])
+        else:
+            nbk = tl.cdiv(K, BK)
+            s_off = batch * tl.cdiv(M, BM) * nbk + pid_m * nbk + pid_k + tl.zeros((1, 1), tl.int64)
+            tl.store(scales_ptr + s_off, scale_out)
+
+
+@triton.jit
+def _amax_kernel(
+    x_ptr,  # (N,) any float dtype, contiguous
+    partial_ptr,  # (cdiv(N, BLOCK),) fp32: per-program NaN-ignoring amax; reduced by the launcher
+    N,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+    tl.store(partial_ptr + pid, tl.max(abs_or_zero(x), axis=0))
+
+
+@triton.jit
+def _butterfly(v, H: tl.constexpr, BK: tl.constexpr):
+    """One stage of width H of the fast Walsh-Hadamard transform along the 16 rows of v (16, BK):
+    rows i and i+H of each group of 2H become (a + b, a - b)."""
+    w = tl.permute(tl.reshape(v, (16 // (2 * H), 2, H * BK)), (0, 2, 1))
+    a, b = tl.split(w)
+    w = tl.permute(tl.join(a + b, a - b), (0, 2, 1))
+    return tl.reshape(w, (16, BK))
+
+
+@triton.jit
+def hadamard16_rows(x, BK: tl.constexpr):
+    """x (16, BK) fp32 -> Qᵀx, Q = diag(signs)·H16/4: signs, stages of width 1, 2, 4, 8, then ·1/4,
+    the order of recipes.nvfp4.hadamard16, so the rounding is the same."""
+    i = tl.arange(0, 16)
+    sign = tl.where(((55272 >> i) & 1) == 1, -1.0, 1.0)  # negative at TE's wgrad sign positions
+    v = x * sign[:, None]
+    v = _butterfly(v, 1, BK)
+    v = _butterfly(v, 2, BK)
+    v = _butterfly(v, 4, BK)
+    v = _butterfly(v, 8, BK)
+    return v * 0.25
+
+
+@triton.jit
+def _wgrad_kernel(
+    x_ptr,  # (T, K) bf16 / fp16 / fp32 operand of a weight-gradient GEMM, rows grouped by expert
+    row_start_ptr,  # (NB,) int64 first source row of each row block
+    row_count_ptr,  # (NB,) int32 its rows (0..B; fewer for an expert's last block, 0 for unused blocks)
+    codes_ptr,  # uint8 (NB·B, K); nvfp4 packed along rows: (NB·B/2, K)
+    scales_ptr,  # (NB, K): fp32 1/scale, uint8 e8m0, uint8 e4m3
+    amax_ptr,  # nvfp4: fp32 scalar (AMAX_ONLY: (NB, nK) partials written instead)
+    K,
+    RECIPE: tl.constexpr,
+    B: tl.constexpr,  # rows per block: 128, 32, 16
+    BK: tl.constexpr,
+    POW2: tl.constexpr,
+    VMAX: tl.constexpr,
+    HADAMARD: tl.constexpr,  # nvfp4: rotate complete 16-row blocks
+    STOCHASTIC: tl.constexpr,  # nvfp4: stochastic rounding (gradient operand)
+    AMAX_ONLY: tl.constexpr,  # nvfp4 first pass: the amax of the (rotated) operand
+):
+    pid_b = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    start = tl.load(row_start_ptr + pid_b)
+    count = tl.load(row_count_ptr + pid_b)
+    r = tl.arange(0, B)
+    rk = pid_k * BK + tl.arange(0, BK)
+    mask = (r < count)[:, None] & (rk < K)[None, :]
+    src = (start + r)[:, None] * K + rk[None, :]  # int64: T·K passes 2^31 for long batches
+    x = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    if HADAMARD:
+        x = tl.where(count == 16, hadamard16_rows(x, BK), x)
+    if AMAX_ONLY:
+        tl.store(amax_ptr + pid_b * tl.num_programs(1) + pid_k, tl.max(tl.max(abs_or_zero(x), axis=1), axis=0))
+    elif RECIPE == 2:
+        s_enc = nvfp4_tensor_scale(tl.load(amax_ptr))
+        block_amax = tl.max(abs_or_zero(x), axis=0)[None, :]
+        has_nan = tl.max((x != x).to(tl.int32), axis=0)[None, :]
+        s_code, inv = nvfp4_block_scale(block_amax, s_enc)
+        if STOCHASTIC:
+            u = hash_uniform(src, x.to(tl.int32, bitcast=True))
+            codes = e2m1_code_stochastic(x * inv, u)
+        else:
+            codes = e2m1_code(x * inv)
+        c0, c1 = tl.split(tl.permute(tl.reshape(codes, (B // 2, 2, BK)), (0, 2, 1)))  # even, odd rows
+        rp = pid_b.to(tl.int64) * (B // 2) + tl.arange(0, B // 2)
+        tl.store(codes_ptr + rp[:, None] * K + rk[None, :], (c0 | (c1 << 4)).to(tl.uint8), mask=(rk < K)[None, :])
+        s_code = tl.where(has_nan > 0, 0x7F, s_code)
+        tl.store(scales_ptr + pid_b.to(tl.int64) * K + rk[None, :], s_code.to(tl.uint8), mask=(rk < K)[None, :])
+    else:
+        amax = tl.max(abs_or_zero(x), axis=0)[None, :]
+        if RECIPE == 0:
+            scale = fp8_block_scale(amax, POW2, VMAX)
+            codes = e4m3_code(x * scale)
+            scale_out = tl.div_rn(1.0 + tl.zeros_like(scale), scale)
+        else:
+            e = e8m0_exponent(amax)
+            codes = e4m3_code(x * e8m0_quant_multiplier(e))
+            scale_out = e.to(tl.uint8)
+        rp = pid_b.to(tl.int64) * B + r
+        tl.store(codes_ptr + rp[:, None] * K + rk[None, :], codes.to(tl.uint8), mask=(rk < K)[None, :])
+        tl.store(scales_ptr + pid_b.to(tl.int64) * K + rk[None, :], scale_out, mask=(rk < K)[None, :])
+
+
+# --- launchers ------------------------------------------------------------------------------------------
+
+
+def supports(recipe) -> bool:
+    from ..recipes import FP8BlockRecipe, MXFP8Recipe, NVFP4Recipe
+
+    return isinstance(recipe, (FP8BlockRecipe, MXFP8Recipe, NVFP4Recipe))
+
+
+def _recipe_id(recipe) -> int:
+    from ..recipes import FP8BlockRecipe, MXFP8Recipe, NVFP4Recipe
+
+    if isinstance(recipe, FP8BlockRecipe):
+        return _FP8_BLOCK
+    if isinstance(recipe, MXFP8Recipe):
+        return _MXFP8
+    if isinstance(recipe, NVFP4Recipe):
+        return _NVFP4
+    raise ValueError(f"recipe: expected a moemlp recipe object, got {type(recipe).__name__}")
+
+
+def _check(x: Tensor, name: str) -> None:
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{name}: expected bf16, fp16 or fp32, got {x.dtype}")
+    if x.ndim < 2:
+        raise ValueError(f"{name}: expected at least 2 dims, got shape {tuple(x.shape)}")
+    # the kernel indexes rows with the shape's own strides; copying a view here would hide a pass
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def tensor_amax(x: Tensor) -> Tensor:
+    """fp32 0-d NaN-ignoring amax of all of x (two passes: per-program partials, then torch.amax,
+    a fixed-order reduction; no host read)."""
+    n = x.numel()
+    block = 4096
+    partial = torch.zeros(max(triton.cdiv(n, block), 1), dtype=torch.float32, device=x.device)
+    if n:
+        _amax_kernel[(triton.cdiv(n, block),)](x.reshape(-1), partial, n, BLOCK=block)
+    return partial.amax()
+
+
+def _vmax(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def quantize(x: Tensor, recipe, axis: int = -1):
+    """Blocks along the last dim (axis -1) or the second to last (axis -2) of a contiguous x."""
+    from ..recipes import QuantizedTensor, fp8_block, mxfp8, nvfp4
+
+    _check(x, "x")
+    if axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
+        raise ValueError(f"axis: the Triton quantizer blocks along dim -1 or -2, got {axis}")
+    axis = axis % x.ndim
+    rid = _recipe_id(recipe)
+    block = recipe.block
+    M, K = x.shape[-2:]
+    batch = x.numel() // max(M * K, 1)
+    rowwise = axis == x.ndim - 1
+    lead = tuple(x.shape[:-2])
+    nb = triton.cdiv(K if rowwise else M, block)
+    scale_dtype = torch.float32 if rid == _FP8_BLOCK else torch.uint8
+    scales = torch.empty(lead + ((M, nb) if rowwise else (nb, K)), dtype=scale_dtype, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    if rid == _NVFP4:
+        amax = tensor_amax(x)
+        codes = torch.empty(
+            lead + ((M, (K + 1) // 2) if rowwise else ((M + 1) // 2, K)), dtype=torch.uint8, device=x.device
+        )
+        bm, bk = (32, block // 2) if rowwise else (block // 2, 64)
+        grid = (
+            (triton.cdiv(M, bm), triton.cdiv(K, 2 * bk), batch)
+            if rowwise
+            else (triton.cdiv(M, 2 * bm), triton.cdiv(K, bk), batch)
+        )
+    else:
+        codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+        bm, bk = (32, block) if rowwise else (block, 64)
+        grid = (triton.cdiv(M, bm), triton.cdiv(K, bk), batch)
+    if x.numel():
+        _quantize_kernel[grid](
+            x, codes, scales, amax, M, K,
+            RECIPE=rid, AXIS=_ROWWISE if rowwise else _COLWISE, BM=bm, BK=bk,
+            POW2=bool(getattr(recipe, "pow2_scales", False)), VMAX=_vmax(x.dtype),
+        )  # fmt: skip
+    if rid == _NVFP4:
+        return QuantizedTensor(
+            codes=codes, scales=scales.view(torch.float8_e4m3fn), shape=tuple(x.shape), axis=axis,
+            block=(block,), _dequantize=nvfp4._dequantize, tensor_scale=nvfp4_scale_from_amax(amax),
+        )  # fmt: skip
+    if rid == _MXFP8:
+        return QuantizedTensor(
+            codes=codes.view(torch.float8_e4m3fn), scales=scales.view(torch.float8_e8m0fnu), shape=tuple(x.shape),
+            axis=axis, block=(block,), _dequantize=mxfp8._dequantize,
+        )  # fmt: skip
+    return QuantizedTensor(
+        codes=codes.view(torch.float8_e4m3fn), scales=scales, shape=tuple(x.shape), axis=axis,
+        block=(block,), _dequantize=fp8_block._dequantize_rows,
+    )  # fmt: skip
+
+
+def nvfp4_scale_from_amax(amax: Tensor) -> Tensor:
+    from ..recipes import _formats
+
+    return _formats.nvfp4_tensor_scale(amax)
+
+
+def quantize_weight(w: Tensor, recipe):
+    """fp8_block: 128×128 tiles over the last two dims; mxfp8, nvfp4: blocks along the last dim."""
+    from ..recipes import QuantizedTensor, fp8_block
+
+    if _recipe_id(recipe) != _FP8_BLOCK:
+        return quantize(w, recipe, axis=-1)
+    _check(w, "w")
+    M, K = w.shape[-2:]
+    batch = w.numel() // max(M * K, 1)
+    lead = tuple(w.shape[:-2])
+    codes = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(lead + (triton.cdiv(M, 128), triton.cdiv(K, 128)), dtype=torch.float32, device=w.device)
+    if w.numel():
+        grid = (triton.cdiv(M, 128), triton.cdiv(K, 128), batch)
+        _quantize_kernel[grid](
+            w, codes, scales, scales, M, K, RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128,
+            POW2=bool(recipe.pow2_scales), VMAX=_vmax(w.dtype),
+        )  # fmt: skip
+    return QuantizedTensor(
+        codes=codes.view(torch.float8_e4m3fn), scales=scales, shape=tuple(w.shape), axis=-1,
+        block=(128, 128), _dequantize=fp8_block._dequantize_tiles,
+    )  # fmt: skip
+
+
+def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tensor, Tensor, Tensor, int]:
+    """The expert-aligned row blocks of a (T, K) wgrad operand, with torch ops on the device (no
+    host read): block p covers padded rows [p·B, p·B + B) and source rows [start, start + count);
+    NB = ⌈T/B⌉ + E blocks is the worst case. Returns (start int64, count int32, rows int64, NB)
+    where rows[t] is source row t's padded row, -1 past Σsplits (recipes' ExpertRows layout)."""
+    s = splits.to(device=device, dtype=torch.int64)
+    num_experts = s.numel()
+    nb = triton.cdiv(num_rows, block) + num_experts
+    ends = torch.cumsum(s, 0)
+    starts = ends - s
+    blocks = (s + block - 1) // block
+    first_block = torch.cumsum(blocks, 0) - blocks
+    p = torch.arange(nb, device=device)
+    e = torch.searchsorted(first_block + blocks, p, right=True)
+    valid = e < num_experts
+    ec = e.clamp(max=max(num_experts - 1, 0))
+    start = starts[ec] + (p - first_block[ec]) * block
+    count = torch.where(valid, (ends[ec] - start).clamp(0, block), torch.zeros_like(start))
+    start = torch.where(valid, start, torch.zeros_like(start))
+    t = torch.arange(num_rows, device=device)
+    et = torch.searchsorted(ends, t, right=True)
+    etc = et.clamp(max=max(num_experts - 1, 0))
+    rows = first_block[etc] * block + t - starts[etc]
+    rows = torch.where(et < num_experts, rows, torch.full_like(rows, -1))
+    return start.contiguous(), count.to(torch.int32).contiguous(), rows, nb
+
+
+def quantize_wgrad(t: Tensor, splits: Tensor, recipe, is_grad: bool = False):
+    """A (T, K) weight-gradient operand, blocks along rows restarting at each expert's first row, in
+    the expert-aligned padded layout of ``recipe.quantize_wgrad`` (same codes, scales and rows)."""
+    from ..recipes import QuantizedTensor, fp8_block, mxfp8, nvfp4
+
+    _check(t, "t")
+    if t.ndim != 2:
+        raise ValueError(f"t: expected a (T, K) operand, got shape {tuple(t.shape)}")
+    if splits.device != t.device:
+        raise TypeError(f"splits: expected a tensor on {t.device}, got {splits.device}")
+    rid = _recipe_id(recipe)
+    B = recipe.block
+    T, K = t.shape
+    start, count, rows, nb = _row_blocks(splits, T, B, t.device)
+    bk = 64 if B <= 32 else 32
+    grid = (nb, triton.cdiv(K, bk))
+    hadamard = rid == _NVFP4 and recipe.hadamard
+    stochastic = rid == _NVFP4 and recipe.stochastic_rounding and is_grad
+    pow2 = bool(getattr(recipe, "pow2_scales", False))
+    common = dict(RECIPE=rid, B=B, BK=bk, POW2=pow2, VMAX=_vmax(t.dtype), HADAMARD=hadamard, STOCHASTIC=stochastic)
+    scales = torch.empty((nb, K), dtype=torch.float32 if rid == _FP8_BLOCK else torch.uint8, device=t.device)
+    codes = torch.empty((nb * B // (2 if rid == _NVFP4 else 1), K), dtype=torch.uint8, device=t.device)
+    amax = torch.zeros((), dtype=torch.float32, device=t.device)
+    if rid == _NVFP4 and t.numel():
+        partial = torch.empty(grid, dtype=torch.float32, device=t.device)
+        _wgrad_kernel[grid](t, start, count, codes, scales, partial, K, AMAX_ONLY=True, **common)
+        amax = partial.amax()
+    if t.numel():
+        _wgrad_kernel[grid](t, start, count, codes, scales, amax, K, AMAX_ONLY=False, **common)
+    shape = (nb * B, K)
+    if rid == _NVFP4:
+        return QuantizedTensor(
+            codes=codes, scales=scales.view(torch.float8_e4m3fn), shape=shape, axis=0, block=(B,),
+            _dequantize=nvfp4._dequantize, tensor_scale=nvfp4_scale_from_amax(amax), rows=rows,
+        )  # fmt: skip
+    if rid == _MXFP8:
+        return QuantizedTensor(
+            codes=codes.view(torch.float8_e4m3fn), scales=scales.view(torch.float8_e8m0fnu), shape=shape,
+            axis=0, block=(B,), _dequantize=mxfp8._dequantize, rows=rows,
+        )  # fmt: skip
+    return QuantizedTensor(
+        codes=codes.view(torch.float8_e4m3fn), scales=scales, shape=shape, axis=0, block=(B,),
+        _dequantize=fp8_block._dequantize_rows, rows=rows,
+    )  # fmt: skip

@@ -1,0 +1,170 @@
+"""The Triton quantizers (kernels/quantize.py) against the torch reference (moemlp.recipes): codes
+and scales bit for bit, rowwise, columnwise, 128×128 tiles and expert-segmented wgrad operands.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 in a child process: triton reads the
+variable when a kernel is first decorated, and setting it in this process would switch every later
+test's kernels onto the interpreter too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moemlp.recipes import from_key, recipe
+
+RECIPES = [
+    "fp8_block:pow2_scales=1",
+    "fp8_block:pow2_scales=0",
+    "mxfp8",
+    "nvfp4:hadamard=0,stochastic_rounding=0",
+]
+WGRAD_RECIPES = RECIPES + [
+    "nvfp4:hadamard=1,stochastic_rounding=0",
+    "nvfp4:hadamard=0,stochastic_rounding=1",
+    "nvfp4:hadamard=1,stochastic_rounding=1",
+]
+
+# Exact ties of each format, placed in blocks whose scale is 1: e4m3 midpoints (normal and
+# subnormal) next to 448 (fp8_block, mxfp8: scale 1), e2m1 midpoints next to 6 (nvfp4 with S_enc 1
+# from an element 2688 in a block of its own).
+E4M3_TIES = [448.0, 1.0625, 1.1875, -2.125, 2.0**-10, 3 * 2.0**-10, -5 * 2.0**-10, 0.0146484375, 464.0, -0.0]
+E2M1_TIES = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, -5.0, 0.1, -0.0, 0.0, 2.0, 4.0]
+
+
+def _data(shape, dtype, seed):
+    """Normal values at a random magnitude per row (1e-30 … 1e30), with zero rows, NaN, ±Inf and
+    fp32 subnormals sprinkled in; rounded to ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    exps = torch.randint(-30, 31, shape[:-1] + (1,), generator=g).double()
+    if dtype != torch.float32:
+        exps = exps.clamp(-3, 3)  # stay inside bf16/fp16 range
+    x = (x * 10.0**exps).to(dtype)
+    flat = x.view(-1)
+    n = flat.numel()
+    for v, k in ((float("nan"), 2), (float("inf"), 1), (float("-inf"), 1), (0.0, 5)):
+        flat[torch.randint(0, n, (k,), generator=g)] = v
+    if dtype == torch.float32:
+        flat[torch.randint(0, n, (3,), generator=g)] = 1e-40
+    return x
+
+
+def _ties(dtype):
+    x = torch.zeros(4, 48, dtype=torch.float32)
+    x[0, : len(E4M3_TIES)] = torch.tensor(E4M3_TIES)
+    x[1, :16] = torch.tensor(E2M1_TIES)
+    x[1, 40] = 2688.0
+    x[2, 32:48] = torch.tensor(E2M1_TIES) * 2.0**-3
+    return x.to(dtype)
+
+
+def _u8(t):
+    return t if t.dtype == torch.float32 else t.view(torch.uint8)
+
+
+def _same(a, b, what):
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    assert torch.equal(_u8(a).cpu(), _u8(b).cpu()), what
+
+
+def check_quantizers_match_torch(device: str, big: bool = False) -> None:
+    from moemlp.kernels import quantize as kq
+
+    shapes = [(37, 70), (3, 40, 33), (1, 1), (130, 129)]
+    if big:
+        shapes += [(1000, 1030), (4, 384, 640)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    for key in RECIPES:
+        r = from_key(key)
+        for dtype in dtypes:
+            inputs = [_data(s, dtype, seed) for seed, s in enumerate(shapes)] + [_ties(dtype)]
+            for x in inputs:
+                xd = x.to(device)
+                for axis in (-1, -2):
+                    what = f"{key} {dtype} {tuple(x.shape)} axis {axis}"
+                    a, b = kq.quantize(xd, r, axis), r.quantize(x, axis)
+                    _same(a.codes, b.codes, what + " codes")
+                    _same(a.scales, b.scales, what + " scales")
+                    if b.tensor_scale is not None:
+                        _same(a.tensor_scale, b.tensor_scale, what + " S_enc")
+                    deq = a.dequantize().cpu()
+                    assert torch.equal(deq.nan_to_num(7.0), b.dequantize().nan_to_num(7.0)), what
+                a, b = kq.quantize_weight(xd, r), r.quantize_weight(x)
+                what = f"{key} {dtype} {tuple(x.shape)} weight"
+                _same(a.codes, b.codes, what + " codes")
+                _same(a.scales, b.scales, what + " scales")
+
+
+def check_wgrad_matches_torch(device: str, big: bool = False) -> None:
+    from moemlp.kernels import quantize as kq
+
+    cases = [([40, 0, 7, 150], 5, 24), ([16, 16], 0, 48), ([3], 2, 20)]
+    if big:
+        cases += [([1000, 0, 37, 2048, 500], 64, 512)]
+    for key in WGRAD_RECIPES:
+        r = from_key(key)
+        for seed, (splits, capacity, K) in enumerate(cases):
+            T = sum(splits) + capacity
+            for dtype in (torch.float32, torch.bfloat16):
+                grad = _data((T, K), dtype, 10 + seed)
+                act = _data((T, K + 8), dtype, 20 + seed)
+                s = torch.tensor(splits, dtype=torch.int32)
+                for t, is_grad in ((grad, True), (act, False)):
+                    what = f"{key} {dtype} splits {splits} {'grad' if is_grad else 'act'}"
+                    a = kq.quantize_wgrad(t.to(device), s.to(device), r, is_grad=is_grad)
+                    b = r.quantize_wgrad(t, s, is_grad=is_grad)
+                    _same(a.codes, b.codes, what + " codes")
+                    _same(a.scales, b.scales, what + " scales")
+                    assert torch.equal(a.rows.cpu(), b.rows), what + " rows"
+                    if b.tensor_scale is not None:
+                        _same(a.tensor_scale, b.tensor_scale, what + " S_enc")
+                    deq = a.dequantize().cpu().nan_to_num(7.0)
+                    assert torch.equal(deq, b.dequantize().nan_to_num(7.0)), what
+                ref_g, ref_a = r.qdq_wgrad(grad, act, s)  # the contract's call is these two, dequantized
+                assert torch.equal(ref_g.nan_to_num(7.0), r.quantize_wgrad(grad, s, True).dequantize().nan_to_num(7.0))
+
+
+def _run_interpreted(check: str) -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
+    code = f"import test_quantize_triton as t; t.{check}('cpu')"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-5000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below cover it")
+def test_quantizers_match_torch_interpreted():
+    _run_interpreted("check_quantizers_match_torch")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below cover it")
+def test_wgrad_quantizer_matches_torch_interpreted():
+    _run_interpreted("check_wgrad_matches_torch")
+
+
+@pytest.mark.gpu
+def test_quantizers_match_torch_gpu():
+    check_quantizers_match_torch("cuda", big=True)
+
+
+@pytest.mark.gpu
+def test_wgrad_quantizer_matches_torch_gpu():
+    check_wgrad_matches_torch("cuda", big=True)
+
+
+def test_launcher_rejects_bad_inputs():
+    from moemlp.kernels import quantize as kq
+
+    r = recipe("mxfp8")
+    with pytest.raises(TypeError, match="x"):
+        kq.quantize(torch.zeros(4, 4, dtype=torch.float64), r)
+    with pytest.raises(ValueError, match="contiguous"):
+        kq.quantize(torch.zeros(4, 6)[:, ::2], r)
+    with pytest.raises(ValueError, match="axis"):
+        kq.quantize(torch.zeros(2, 4, 6), r, axis=0)
