@@ -54,7 +54,8 @@ def _inputs(rank, device, dtype):
 def _build(device, dtype, ep_group):
     router, fc1, fc2 = _full_weights(device, dtype)
     moe = MoE(SHAPE["H"], SHAPE["F"], SHAPE["E"], SHAPE["k"], score="softmax", aux_loss_coeff=0.02,
-              z_loss_coeff=0.005, expert_bias=True, ep_group=ep_group, device=device, dtype=dtype)
+              z_loss_coeff=0.005, expert_bias=True, ep_group=ep_group, device=device, dtype=dtype,
+              backend="torch" if device.type == "cpu" else "auto")  # CUDA: the Triton kernels
     lo, n = moe.local_expert_offset, moe.num_local_experts
     with torch.no_grad():
         moe.router.weight.copy_(router)

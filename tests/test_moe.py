@@ -102,21 +102,32 @@ def _rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def test_layer_bf16_within_twice_plain_torch_bf16_error():
+@pytest.mark.parametrize(
+    "device,backend",
+    [
+        pytest.param("cpu", "torch", id="cpu-torch"),
+        pytest.param("cuda", "auto", id="cuda-triton", marks=pytest.mark.gpu),
+    ],
+)
+def test_layer_bf16_within_twice_plain_torch_bf16_error(device, backend):
     """bf16 layer vs the float64 naive composition: at most 2× the error of the same composition
     written in plain PyTorch bf16 (quack's tolerance idiom), for y and every gradient."""
     H, F_, E, k, T = 32, 48, 8, 2, 64
-    moe = make_layer(H, F_, E, k, torch.bfloat16)
+    torch.manual_seed(0)
+    moe = MoE(H, F_, E, k, dtype=torch.bfloat16, backend=backend, device=device)
+    with torch.no_grad():
+        moe.router.weight.normal_(0.0, 0.3)
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(T, H, generator=g).bfloat16().requires_grad_()
-    dy = torch.randn(T, H, generator=g).bfloat16()
-    ours = _grads(moe, x, dy)
+    x = torch.randn(T, H, generator=g).bfloat16().to(device).requires_grad_()
+    dy = torch.randn(T, H, generator=g).bfloat16().to(device)
+    ours = [t.cpu() for t in _grads(moe, x, dy)]
+    x, dy = x.detach().cpu(), dy.cpu()
 
     def naive(dtype):
-        xr = x.detach().to(dtype).requires_grad_()
-        wr = moe.router.weight.detach().clone().requires_grad_()
-        w1 = moe.experts.fc1_weight.detach().to(dtype).requires_grad_()
-        w2 = moe.experts.fc2_weight.detach().to(dtype).requires_grad_()
+        xr = x.to(dtype).requires_grad_()
+        wr = moe.router.weight.detach().cpu().requires_grad_()
+        w1 = moe.experts.fc1_weight.detach().cpu().to(dtype).requires_grad_()
+        w2 = moe.experts.fc2_weight.detach().cpu().to(dtype).requires_grad_()
         y, _ = naive_moe(xr, wr, w1, w2, k, dtype=dtype)
         return (y,) + torch.autograd.grad((y * dy.to(dtype)).sum(), (xr, wr, w1, w2))
 
