@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["is_available", "unavailable_reason", "grouped_mlp_fwd", "grouped_mlp_bwd"]
+__all__ = ["is_available", "unavailable_reason", "supports_recipe", "grouped_mlp_fwd", "grouped_mlp_bwd"]
 
 
 def _interpreting() -> bool:
@@ -175,3 +175,8 @@ def grouped_mlp_bwd(
 
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def supports_recipe(recipe) -> bool:
+    """Block-scaled recipes (SPEC §3) have no Triton GEMM here yet; they run on backend='torch'."""
+    return recipe is None

@@ -100,6 +100,7 @@ def _grouped_gemm_kernel(
     stride_be, stride_bn, stride_bk,
     N1, G,  # h columns; GLU block width: gate block j at columns 2jG.., up block at 2jG+G..
     p0, p1, p2,  # activation parameters (fp32)
+    unit,  # 1.0 (fp32), see _accumulate
     NUM_PROGS,
     EPILOGUE: tl.constexpr,
     ACT: tl.constexpr,
@@ -119,6 +120,7 @@ def _grouped_gemm_kernel(
     USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr,
     SUBTILE: tl.constexpr,
+    PROMOTE: tl.constexpr,
 ):
     TWO_ACC: tl.constexpr = GLU and EPILOGUE == FC1  # gate and up columns of one F block
     pid = tl.program_id(0)
@@ -170,7 +172,7 @@ def _grouped_gemm_kernel(
                 if INTERPRETED:
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                acc = _accumulate(a, b, acc, unit, PROMOTE, DOT_PRECISION)
                 if TWO_ACC:
                     b_up = tl.trans(b_desc.load([e, n_b0 + G, kk * BK]).reshape(BN, BK))
                     if INTERPRETED:
@@ -194,7 +196,7 @@ def _grouped_gemm_kernel(
                 if INTERPRETED:
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                acc = _accumulate(a, b, acc, unit, PROMOTE, DOT_PRECISION)
                 if TWO_ACC:
                     b_up = tl.load(b_ptrs + G * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
                     if INTERPRETED:
@@ -252,6 +254,24 @@ def _grouped_gemm_kernel(
             # Σ_f g_z·a over this F tile, chunks added in column order: a fixed order.
             part = tl.where(is_real, part, 0.0)
             tl.store(partial_ptr + tn.to(tl.int64) * M + rows, part, mask=row_mask)
+
+
+@triton.jit
+def _accumulate(a, b, acc, unit, PROMOTE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b. With PROMOTE, each BK-deep product starts from a zero accumulator and is added
+    to acc in fp32 (round to nearest), as DeepGEMM promotes fp8 partial sums.
+
+    Hopper's tensor cores keep bf16 products exact but add into the fp32 accumulator with
+    truncation, so the error of a K-deep sum grows like K·2^-24 with a bias: on the H200
+    (2026-11-30) g_z from one chained accumulator gave dprobs errors of 1.5e-4 (K = 2048) to
+    3.0e-4 (K = 7168) against float64, over SPEC §1's 1e-5. Chains of BK = 64 bound that at
+    ~64·2^-24 = 4e-6. The multiply by ``unit`` (a runtime 1.0) keeps the compiler from folding
+    the add back into the dot's accumulator."""
+    if PROMOTE:
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION) * unit
+    else:
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
 
 
 @triton.jit
@@ -359,6 +379,8 @@ def _epilogue(
 def _grouped_wgrad_kernel(
     g_ptr,  # (M, P) compute dtype, rows grouped by expert: g_h (dW1, P = N1) | dy (dW2, P = H)
     x_ptr,  # (M, Q) compute dtype: x (dW1, Q = H) | round(z) (dW2, Q = F)
+    g_desc,  # TMA descriptor of g, block [BK, BP] (USE_TMA), else None
+    x_desc,  # TMA descriptor of x, block [BK, BQ] (USE_TMA), else None
     splits_ptr,  # (E,) int32/int64 rows per expert, on the device
     probs_ptr,  # (M,) fp32/bf16/fp16: db2 = Σ dy·p when SCALE_B
     dw_ptr,  # (E, P, Q) weight dtype
@@ -374,6 +396,7 @@ def _grouped_wgrad_kernel(
     E_BLOCK: tl.constexpr,
     INTERPRETED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_p = tl.cdiv(P, BP)
@@ -401,7 +424,21 @@ def _grouped_wgrad_kernel(
 
     if DO_W:
         acc = tl.zeros((BP, BQ), dtype=tl.float32)
-        for k0 in range(e_start, e_end, BK):
+        tail_start = e_start
+        if USE_TMA:
+            # Row blocks wholly inside the expert through the copy engine; the last partial block
+            # (rows of the next expert must not enter the sum) through masked loads below.
+            full_blocks = (e_end - e_start) // BK
+            for i in range(0, full_blocks):
+                k0 = e_start + i * BK
+                g = g_desc.load([k0, tp * BP])
+                x = x_desc.load([k0, tq * BQ])
+                if INTERPRETED:
+                    g = g.to(tl.float32)
+                    x = x.to(tl.float32)
+                acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PRECISION)
+            tail_start = e_start + full_blocks * BK
+        for k0 in range(tail_start, e_end, BK):
             rows = k0 + offs_k
             rows64 = rows.to(tl.int64)
             k_mask = rows < e_end
@@ -492,15 +529,18 @@ def default_config(kind: str, N: int, K: int, glu: bool) -> GemmConfig:
     if kind == "fc1" and glu:
         # Two 128×128 fp32 accumulators (gate, up) = one 128×256 tile, 128 registers per thread at
         # 8 warps; the epilogue in 4 chunks of 32 columns fits in the rest (254 registers, no
-        # spills; 2 chunks spilled 55 local loads). 4 stages × 48 KB of shared memory.
-        gpu = GemmConfig(128, 128, 64, 8, 4, SUBTILE=4)
+        # spills; 2 chunks spilled 55 local loads).
+        # H200 2026-11-30: 3 stages beat 4 on mixtral (596 vs 565 TFLOP/s) and deepseek (616 vs 596),
+        # lost 2.5% on qwen3.
+        gpu = GemmConfig(128, 128, 64, 8, 3, SUBTILE=4)
     elif kind == "fc1":
         gpu = GemmConfig(128, 128, 64, 8, 4, SUBTILE=2)
     elif kind == "fc2_dgrad":
         # The epilogue holds g_z, h gate/up, a, act' at once: 4 chunks (8 local loads left).
         gpu = GemmConfig(128, 128, 64, 8, 4, SUBTILE=4)
     elif kind == "wgrad":
-        gpu = GemmConfig(128, 128, 64, 8, 4)
+        # H200 2026-11-30 (pointer loads): 128×256 s3 beat 128×128 s4 by 16-27% on all four shapes.
+        gpu = GemmConfig(128, 256, 64, 8, 3)
     else:
         # FC2 and FC1_DGRAD: plain epilogues; 128×256 is Hopper's usual best bf16 tile (202 regs).
         gpu = GemmConfig(128, 256, 64, 8, 3)
@@ -592,6 +632,7 @@ def launch_grouped_gemm(
         b_strides[0], b_strides[1], b_strides[2],
         N1, cfg.glu_interleave if cfg.glu else 1,
         float(params[0]), float(params[1]), float(params[2]),
+        1.0,
         num_progs,
         EPILOGUE=epilogue,
         ACT=cfg.activation.kernel_id,
@@ -611,6 +652,8 @@ def launch_grouped_gemm(
         USE_TMA=use_tma,
         B_KMAJOR=b_kmajor,
         SUBTILE=config.SUBTILE,
+        # g_z feeds dprobs, which SPEC §1 holds to fp32-accumulation accuracy (see _accumulate).
+        PROMOTE=store_partial,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -631,9 +674,14 @@ def launch_grouped_wgrad(
     Q = x.shape[1] if x is not None else 1
     do_w = dw is not None
     grid = (E * triton.cdiv(P, config.BM) * (triton.cdiv(Q, config.BN) if do_w else 1),)
+    use_tma = do_w and M > 0 and _tma_ok(g, x)
+    g_desc = TensorDescriptor.from_tensor(g, [config.BK, config.BM]) if use_tma else None
+    x_desc = TensorDescriptor.from_tensor(x, [config.BK, config.BN]) if use_tma else None
     _grouped_wgrad_kernel[grid](
         g,
         x if x is not None else g,
+        g_desc,
+        x_desc,
         splits,
         probs if probs is not None else g,
         dw if dw is not None else g,
@@ -649,6 +697,7 @@ def launch_grouped_wgrad(
         E_BLOCK=_e_block(E),
         INTERPRETED=INTERPRET,
         DOT_PRECISION=_dot_precision(g.dtype),
+        USE_TMA=use_tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
