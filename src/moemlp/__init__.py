@@ -2,6 +2,8 @@
 
 from .functional import grouped_mlp
 from .modules import GroupedMLP
+from .moe import MoE
+from .recipes import recipe
 
-__all__ = ["grouped_mlp", "GroupedMLP"]
+__all__ = ["grouped_mlp", "GroupedMLP", "MoE", "recipe"]
 __version__ = "0.1.0"
