@@ -91,9 +91,13 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
     moe = MoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, score="sigmoid", expert_bias=True,
               aux_loss_coeff=1e-4, ep_group=group, backend=backend, device=device, dtype=dtype)
     rank = dist.get_rank(group) if group is not None else 0
-    g = torch.Generator(device="cpu").manual_seed(1 + rank)
-    x = torch.randn(shape.tokens, shape.hidden, generator=g).to(device, dtype).requires_grad_()
-    dy = torch.randn(shape.tokens, shape.hidden, generator=g).to(device, dtype)
+    g = torch.Generator(device=device).manual_seed(1 + rank)  # drawn on the device: 1 GB of rows
+
+    def randn(*size, dtype=dtype):
+        return torch.randn(size, generator=g, device=device, dtype=torch.float32).to(dtype)
+
+    x = randn(shape.tokens, shape.hidden).requires_grad_()
+    dy = randn(shape.tokens, shape.hidden)
     router_w, w1, w2 = moe.router.weight, moe.experts.fc1_weight, moe.experts.fc2_weight
     triton = use_triton(backend, device)
 
@@ -108,11 +112,11 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
 
     # The rows this rank's experts see (the routing is the same every iteration).
     x_rows, splits, p_rows, state = dispatch()
-    g_rows = torch.randn(x_rows.shape, generator=g).to(device, dtype)
-    g_probs = torch.randn(p_rows.shape, generator=g).to(device)
+    g_rows = randn(*x_rows.shape)
+    g_probs = randn(*p_rows.shape, dtype=torch.float32)
     x_rows_leaf = x_rows.detach().requires_grad_()
     p_rows_leaf = p_rows.detach().requires_grad_()
-    y_rows_leaf = torch.randn(x_rows.shape, generator=g).to(device, dtype).requires_grad_()
+    y_rows_leaf = randn(*x_rows.shape).requires_grad_()
     expert_rows = int(splits.sum())
 
     def full():
