@@ -830,3 +830,23 @@ def test_grouped_mlp_snr(key, float64_reference):
     assert torch.equal(g["probs"], g2["probs"])
     # capacity rows: zero output and gradients
     assert y[200:].eq(0).all() and g["x"][200:].eq(0).all() and g["probs"][200:].eq(0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key", list(MLP_FLOORS) + ["fp8_block:pow2_scales=0"])
+def test_reference_quantizers_same_bits_on_cuda(key):
+    # the torch reference on CUDA (its own division, conversion and amax kernels) gives the CPU's bits
+    r = from_key(key) if ":" in key else recipe(key)
+    for seed, dtype in enumerate((torch.float32, torch.bfloat16)):
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(64, 300, generator=g) * torch.logspace(-20, 20, 300)).to(dtype)
+        x[3, 7], x[5, 9], x[6, :] = NAN, INF, 0.0
+        for axis in (-1, 0):
+            a, b = r.quantize(x.cuda(), axis), r.quantize(x, axis)
+            assert torch.equal(a.codes.view(torch.uint8).cpu(), b.codes.view(torch.uint8))
+            assert torch.equal(a.scales.view(torch.uint8).cpu(), b.scales.view(torch.uint8))
+        splits = torch.tensor([20, 0, 33, 7])
+        ga, aa = r.qdq_wgrad(x.cuda(), x.cuda()[:, :40], splits.cuda())
+        gb, ab = r.qdq_wgrad(x, x[:, :40], splits)
+        assert torch.equal(ga.cpu().nan_to_num(7.0), gb.nan_to_num(7.0))
+        assert torch.equal(aa.cpu().nan_to_num(7.0), ab.nan_to_num(7.0))
