@@ -241,7 +241,8 @@ def time_shape(name, H, F, E, top_k, tokens, sweep, rows_out):
         "wgrad_w2": lambda: torch._grouped_mm(dy.t(), z, offs=offs),
     }
     alternatives = {
-        "fc2_dgrad": [gg.GemmConfig(128, 128, 64, 8, 3, SUBTILE=4), gg.GemmConfig(128, 64, 64, 8, 4, SUBTILE=2)],
+        "fc2_dgrad": [gg.GemmConfig(128, 128, 64, 8, 4, SUBTILE=8, PREFETCH_H=True),
+                      gg.GemmConfig(128, 128, 64, 8, 4, SUBTILE=4), gg.GemmConfig(128, 128, 64, 8, 3, SUBTILE=8)],
         "wgrad_w1": [gg.GemmConfig(128, 128, 64, 8, 4)],
         "wgrad_w2": [gg.GemmConfig(128, 128, 64, 8, 4)],
     }
@@ -257,7 +258,7 @@ def time_shape(name, H, F, E, top_k, tokens, sweep, rows_out):
             ms = bench(lambda: fn(c), rep=100)
             kern_rows.append({
                 "shape": name, "kernel": kname,
-                "config": f"{c.BM}x{c.BN}x{c.BK} w{c.num_warps} s{c.num_stages} sub{c.SUBTILE}",
+                "config": f"{c.BM}x{c.BN}x{c.BK} w{c.num_warps} s{c.num_stages} sub{c.SUBTILE}{' pre' if c.PREFETCH_H else ''}",
                 "ms": ms, "tflops": flops / ms / 1e9, "peer_tflops": flops / tp / 1e9,
             })
     return kern_rows
