@@ -112,7 +112,8 @@ def model_nvfp4(block, s_enc):
     with np.errstate(over="ignore", divide="ignore"):
         inv = f32(1) / (f32(e4m3_value(s)) * (f32(1) / s_enc))
     inv = min(inv, f32(FLT_MAX))
-    codes = [e2m1_code(float(f32(v) * inv)) for v in block]
+    with np.errstate(over="ignore", invalid="ignore"):  # Inf · inv saturates like any overflow
+        codes = [e2m1_code(float(f32(v) * inv)) for v in block]
     if any(math.isnan(v) for v in block):
         s = 0x7F
     return codes, s
