@@ -21,6 +21,8 @@ class GroupedMLP(nn.Module):
     Parameters: ``fc1_weight`` (E, N1, H), ``fc2_weight`` (E, H, F) and, with ``bias=True``,
     ``fc1_bias`` (E, N1), ``fc2_bias`` (E, H); N1 = 2F for GLU activations. Weights are drawn as
     ``nn.Linear`` draws them per expert (uniform ±1/sqrt(fan_in)), biases start at zero.
+    ``recompute_fc1`` and ``accumulate_into_main_grad`` are passed to grouped_mlp (see there);
+    with the latter, give each weight an fp32 ``main_grad`` before the first backward.
     """
 
     def __init__(
@@ -36,6 +38,8 @@ class GroupedMLP(nn.Module):
         glu_interleave: Optional[int] = None,
         recipe=None,
         backend: str = "auto",
+        recompute_fc1: bool = False,
+        accumulate_into_main_grad: bool = False,
         device=None,
         dtype=None,
     ):
@@ -68,6 +72,8 @@ class GroupedMLP(nn.Module):
         self.glu_interleave = glu_interleave
         self.recipe = recipe
         self.backend = backend
+        self.recompute_fc1 = recompute_fc1
+        self.accumulate_into_main_grad = accumulate_into_main_grad
         n1 = 2 * ffn_hidden_size if spec.glu else ffn_hidden_size
         kw = {"device": device, "dtype": dtype}
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, n1, hidden_size, **kw))
@@ -104,6 +110,8 @@ class GroupedMLP(nn.Module):
             scale_fc2_bias=self.scale_fc2_bias,
             recipe=self.recipe,
             backend=self.backend,
+            recompute_fc1=self.recompute_fc1,
+            accumulate_into_main_grad=self.accumulate_into_main_grad,
         )
 
     def extra_repr(self) -> str:

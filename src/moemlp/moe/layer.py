@@ -8,7 +8,6 @@ from typing import Optional
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..functional import grouped_mlp
 from ..modules import GroupedMLP
 from .dispatch import BACKENDS, local_moe_forward, use_triton
 from .ep import expert_parallel_moe_forward
@@ -132,6 +131,8 @@ class MoE(nn.Module):
             activation_params=activation_params,
             recipe=recipe,
             backend=backend,
+            recompute_fc1=recompute_fc1,
+            accumulate_into_main_grad=accumulate_into_main_grad,
             device=device,
             dtype=dtype,
         )
@@ -144,24 +145,7 @@ class MoE(nn.Module):
         )
 
     def _run_experts(self, x: Tensor, splits: Tensor, probs: Tensor) -> Tensor:
-        e = self.experts
-        return grouped_mlp(
-            x,
-            splits,
-            probs,
-            e.fc1_weight,
-            e.fc2_weight,
-            e.fc1_bias,
-            e.fc2_bias,
-            activation=e.activation,
-            activation_params=e.activation_params,
-            glu_interleave=e.glu_interleave,
-            scale_fc2_bias=e.scale_fc2_bias,
-            recipe=e.recipe,
-            backend=e.backend,
-            recompute_fc1=self.recompute_fc1,
-            accumulate_into_main_grad=self.accumulate_into_main_grad,
-        )
+        return self.experts(x, splits, probs)
 
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor):
