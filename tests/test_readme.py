@@ -12,3 +12,11 @@ def test_readme_example_runs():
     exec(compile(blocks[0], "README.md", "exec"), scope)
     assert scope["probs"].grad.dtype.is_floating_point
     assert scope["y"].shape == (10, 64)
+
+
+def test_readme_recipe_and_moe_examples_run():
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 3
+    for block in blocks[1:3]:
+        exec(compile(block, "README.md", "exec"), {})
