@@ -121,7 +121,6 @@ def _grouped_gemm_kernel(
     B_KMAJOR: tl.constexpr,
     SUBTILE: tl.constexpr,
     PROMOTE: tl.constexpr,
-    PREFETCH_H: tl.constexpr,
 ):
     TWO_ACC: tl.constexpr = GLU and EPILOGUE == FC1  # gate and up columns of one F block
     pid = tl.program_id(0)
@@ -154,24 +153,6 @@ def _grouped_gemm_kernel(
         rows = row_start + tl.arange(0, BM)
         row_mask = rows < row_end
 
-        if PREFETCH_H:
-            # The epilogue's h tiles are loaded before the K loop: the loads fly while the tensor
-            # cores run instead of stalling the epilogue (64 registers per thread at 128×128).
-            f_pre = tn * BN + tl.arange(0, BN)
-            if GLU:
-                n_pre = (f_pre // G) * (2 * G) + f_pre % G
-            else:
-                n_pre = f_pre
-            pre_mask = (rows < row_end)[:, None] & (f_pre < N)[None, :]
-            h_pre = h_ptr + row_start.to(tl.int64) * N1 + (tl.arange(0, BM)[:, None] * N1 + n_pre[None, :])
-            h_gate_pre = tl.load(h_pre, mask=pre_mask, other=0.0)
-            if GLU:
-                h_up_pre = tl.load(h_pre + G, mask=pre_mask, other=0.0)
-            else:
-                h_up_pre = h_gate_pre
-        else:
-            h_gate_pre = tl.zeros((BM, BN), dtype=tl.float32)  # unused
-            h_up_pre = h_gate_pre
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         if TWO_ACC:
             acc_up = tl.zeros((BM, BN), dtype=tl.float32)
@@ -233,9 +214,9 @@ def _grouped_gemm_kernel(
         # The epilogue runs on column chunks of BN / SUBTILE: act, act' and their operands are
         # five (BM, BN) fp32 tensors at once, which at 128×128 and 8 warps is 320 registers per
         # thread; ptxas spilled them (612 local loads in FC2_DGRAD) before the split.
-        part = _epilogue_chunks(acc, acc_up, h_gate_pre, h_up_pre, tn * BN, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr,
+        part = _epilogue_chunks(acc, acc_up, tn * BN, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr,
                                 z_ptr, h_ptr, N, N1, G, p0, p1, p2, BM, BN, SUBTILE, EPILOGUE, ACT, GLU, HAS_PROBS,
-                                HAS_BIAS, SCALE_BIAS, STORE_Z, PREFETCH_H, INTERPRETED)
+                                HAS_BIAS, SCALE_BIAS, STORE_Z, INTERPRETED)
         if STORE_PARTIAL:
             # Σ_f g_z·a over this F tile, chunks added in column order: a fixed order.
             part = tl.where(is_real, part, 0.0)
@@ -261,29 +242,26 @@ def _accumulate(a, b, acc, unit, PROMOTE: tl.constexpr, DOT_PRECISION: tl.conste
 
 
 @triton.jit
-def _epilogue_chunks(acc, acc_up, h_gate, h_up, col0, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr,
-                     z_ptr, h_ptr, N, N1, G, p0, p1, p2, BM: tl.constexpr, BW: tl.constexpr, CHUNKS: tl.constexpr,
+def _epilogue_chunks(acc, acc_up, col0, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr, z_ptr, h_ptr,
+                     N, N1, G, p0, p1, p2, BM: tl.constexpr, BW: tl.constexpr, CHUNKS: tl.constexpr,
                      EPILOGUE: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr, HAS_PROBS: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SCALE_BIAS: tl.constexpr, STORE_Z: tl.constexpr,
-                     PREFETCH_H: tl.constexpr, INTERPRETED: tl.constexpr):
+                     INTERPRETED: tl.constexpr):
     """The epilogue of a (BM, BW) tile in CHUNKS column chunks, halving recursively; returns the
     dprobs partial summed over the chunks in column order (a fixed order)."""
     if CHUNKS == 1:
-        part = _epilogue(acc, acc_up, h_gate, h_up, col0, rows, row_mask, row_start, is_real, e, p, bias_ptr,
-                         out_ptr, z_ptr, h_ptr, N, N1, G, p0, p1, p2, BM, BW, EPILOGUE, ACT, GLU, HAS_PROBS,
-                         HAS_BIAS, SCALE_BIAS, STORE_Z, PREFETCH_H, INTERPRETED)
+        part = _epilogue(acc, acc_up, col0, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr, z_ptr,
+                         h_ptr, N, N1, G, p0, p1, p2, BM, BW, EPILOGUE, ACT, GLU, HAS_PROBS, HAS_BIAS, SCALE_BIAS,
+                         STORE_Z, INTERPRETED)
     else:
         acc0, acc1 = _halves(acc, BM, BW)
         up0, up1 = _halves(acc_up, BM, BW)
-        hg0, hg1 = _halves(h_gate, BM, BW)
-        hu0, hu1 = _halves(h_up, BM, BW)
-        part = _epilogue_chunks(acc0, up0, hg0, hu0, col0, rows, row_mask, row_start, is_real, e, p, bias_ptr,
-                                out_ptr, z_ptr, h_ptr, N, N1, G, p0, p1, p2, BM, BW // 2, CHUNKS // 2, EPILOGUE,
-                                ACT, GLU, HAS_PROBS, HAS_BIAS, SCALE_BIAS, STORE_Z, PREFETCH_H, INTERPRETED)
-        part += _epilogue_chunks(acc1, up1, hg1, hu1, col0 + BW // 2, rows, row_mask, row_start, is_real, e, p,
-                                 bias_ptr, out_ptr, z_ptr, h_ptr, N, N1, G, p0, p1, p2, BM, BW // 2, CHUNKS // 2,
-                                 EPILOGUE, ACT, GLU, HAS_PROBS, HAS_BIAS, SCALE_BIAS, STORE_Z, PREFETCH_H,
-                                 INTERPRETED)
+        part = _epilogue_chunks(acc0, up0, col0, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr, z_ptr,
+                                h_ptr, N, N1, G, p0, p1, p2, BM, BW // 2, CHUNKS // 2, EPILOGUE, ACT, GLU, HAS_PROBS,
+                                HAS_BIAS, SCALE_BIAS, STORE_Z, INTERPRETED)
+        part += _epilogue_chunks(acc1, up1, col0 + BW // 2, rows, row_mask, row_start, is_real, e, p, bias_ptr,
+                                 out_ptr, z_ptr, h_ptr, N, N1, G, p0, p1, p2, BM, BW // 2, CHUNKS // 2, EPILOGUE,
+                                 ACT, GLU, HAS_PROBS, HAS_BIAS, SCALE_BIAS, STORE_Z, INTERPRETED)
     return part
 
 
@@ -297,8 +275,6 @@ def _halves(x, BM: tl.constexpr, BN: tl.constexpr):
 def _epilogue(
     acc,  # (BM, BNS) fp32: h's gate part (FC1), y (FC2), g_z (FC2_DGRAD) or dx (FC1_DGRAD)
     acc_up,  # (BM, BNS) fp32: h's up part (FC1 with a GLU)
-    h_gate_pre,  # (BM, BNS) compute dtype: h's gate columns, loaded before the K loop (PREFETCH_H)
-    h_up_pre,  # (BM, BNS) compute dtype: h's up columns (PREFETCH_H with a GLU)
     col0,  # first output column of the chunk (over F for FC1/FC2_DGRAD, over H otherwise)
     rows, row_mask, row_start, is_real, e,
     p,  # (BM,) fp32 probs of the rows
@@ -313,7 +289,6 @@ def _epilogue(
     HAS_BIAS: tl.constexpr,
     SCALE_BIAS: tl.constexpr,
     STORE_Z: tl.constexpr,
-    PREFETCH_H: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """Stores one column chunk of a tile's outputs; returns the chunk's dprobs partial (FC2_DGRAD)."""
@@ -362,15 +337,10 @@ def _epilogue(
         tl.store(y_out, _rounded(tl.where(is_real, y, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
     elif EPILOGUE == FC2_DGRAD:
         g_z = acc  # fp32, never rounded before use
-        if PREFETCH_H:
-            h_gate = h_gate_pre.to(tl.float32)
-            h_up = h_up_pre.to(tl.float32)
-        else:
-            h_in = h_ptr + row_base * N1 + (local * N1 + n_h[None, :])
-            h_gate = tl.load(h_in, mask=mask, other=0.0).to(tl.float32)
-            if GLU:
-                h_up = tl.load(h_in + G, mask=mask, other=0.0).to(tl.float32)
+        h_in = h_ptr + row_base * N1 + (local * N1 + n_h[None, :])
+        h_gate = tl.load(h_in, mask=mask, other=0.0).to(tl.float32)
         if GLU:
+            h_up = tl.load(h_in + G, mask=mask, other=0.0).to(tl.float32)
             act, d_gate, d_up = glu_backward(h_gate, h_up, ACT, p0, p1, p2)
         else:
             act, d_gate = unary_backward(h_gate, ACT)
@@ -540,7 +510,7 @@ class GemmConfig:
     num_stages: int
     GROUP_M: int = 8
     SUBTILE: int = 1  # epilogue column chunks, a power of two
-    PREFETCH_H: bool = False  # FC2_DGRAD: load the epilogue's h tiles before the K loop
+    PROMOTE: bool | None = None  # fp32 adds of BK-deep products; None: when dprobs partials are stored
 
 
 def default_config(kind: str, N: int, K: int, glu: bool) -> GemmConfig:
@@ -560,7 +530,9 @@ def default_config(kind: str, N: int, K: int, glu: bool) -> GemmConfig:
     elif kind == "fc2_dgrad":
         # The epilogue holds g_z, h gate/up, a, act' at once, and PROMOTE a second accumulator in
         # the loop: 8 chunks of 16 columns compile without spills (238 registers; 4 chunks: 11
-        # local loads; 128×256 spills at any chunking).
+        # local loads; 128×256 spills at any chunking). H200 2026-11-30, with PROMOTE: 8 chunks
+        # 1-4% faster than 4; 3 stages 8-11% slower than 4; h loaded before the K loop (91 local
+        # loads) -6% to +5%, not kept.
         gpu = GemmConfig(128, 128, 64, 8, 4, SUBTILE=8)
     elif kind == "wgrad":
         # H200 2026-11-30 (pointer loads): 128×256 s3 beat 128×128 s4 by 16-27% on all four shapes.
@@ -569,8 +541,7 @@ def default_config(kind: str, N: int, K: int, glu: bool) -> GemmConfig:
         # FC2 and FC1_DGRAD: plain epilogues; 128×256 is Hopper's usual best bf16 tile (202 regs).
         gpu = GemmConfig(128, 256, 64, 8, 3)
     if INTERPRET:
-        return GemmConfig(16, 32 if gpu.SUBTILE > 1 else 16, 16, 4, 1, GROUP_M=4, SUBTILE=min(gpu.SUBTILE, 4),
-                          PREFETCH_H=gpu.PREFETCH_H)
+        return GemmConfig(16, 32 if gpu.SUBTILE > 1 else 16, 16, 4, 1, GROUP_M=4, SUBTILE=min(gpu.SUBTILE, 4))
     return gpu
 
 
@@ -678,8 +649,7 @@ def launch_grouped_gemm(
         B_KMAJOR=b_kmajor,
         SUBTILE=config.SUBTILE,
         # g_z feeds dprobs, which SPEC §1 holds to fp32-accumulation accuracy (see _accumulate).
-        PROMOTE=store_partial,
-        PREFETCH_H=epilogue == FC2_DGRAD.value and config.PREFETCH_H,
+        PROMOTE=store_partial if config.PROMOTE is None else config.PROMOTE,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
