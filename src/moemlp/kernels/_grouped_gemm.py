@@ -229,11 +229,12 @@ def _accumulate(a, b, acc, unit, PROMOTE: tl.constexpr, DOT_PRECISION: tl.conste
     to acc in fp32 (round to nearest), as DeepGEMM promotes fp8 partial sums.
 
     Hopper's tensor cores keep bf16 products exact but add into the fp32 accumulator with
-    truncation, so the error of a K-deep sum grows like K·2^-24 with a bias: on the H200
-    (2026-11-30) g_z from one chained accumulator gave dprobs errors of 1.5e-4 (K = 2048) to
-    3.0e-4 (K = 7168) against float64, over SPEC §1's 1e-5. Chains of BK = 64 bound that at
-    ~64·2^-24 = 4e-6. The multiply by ``unit`` (a runtime 1.0) keeps the compiler from folding
-    the add back into the dot's accumulator."""
+    truncation, so the error of a K-deep chain grows linearly with K: on the H200 (2026-11-30,
+    benchmarks/NOTES.md run 3) one chained accumulator gave fp32 dprobs errors of 2.1e-6
+    (K = H = 2048) to 7.9e-6 (K = 7168) against float64, on course to pass SPEC §1's 1e-5 near
+    K = 9000; promoted every BK = 64 they were 1.6e-7..2.8e-7 (bound 64·2^-23 = 7.6e-6 for any
+    data). The multiply by ``unit`` (a runtime 1.0) keeps the compiler from folding the add back
+    into the dot's accumulator."""
     if PROMOTE:
         acc += tl.dot(a, b, input_precision=DOT_PRECISION) * unit
     else:
