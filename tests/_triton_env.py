@@ -1,15 +1,38 @@
-"""Import before anything imports moemlp.kernels: turns the Triton interpreter on for CPU-only runs.
+"""How the Triton kernel tests reach the interpreter on a machine without a GPU.
 
-``@triton.jit`` reads TRITON_INTERPRET when the decorator runs (triton 3.9: triton/runtime/jit.py
-checks ``knobs.runtime.interpret`` at decoration), i.e. when moemlp.kernels is first imported, so
-the variable has to be set before that import, not in a fixture. A GPU run leaves it alone.
+``@triton.jit`` reads TRITON_INTERPRET when a kernel is decorated (triton 3.9: triton/runtime/jit.py
+checks ``knobs.runtime.interpret`` in the decorator), i.e. when moemlp.kernels is first imported.
+Setting it inside the test process would switch every later test's kernels onto the interpreter,
+so the CPU cases run in a child pytest with TRITON_INTERPRET=1 (as tests/test_quantize_triton.py
+does), and the parent process only starts it.
 """
 
+from __future__ import annotations
+
 import os
+import re
+import subprocess
+import sys
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# The CPU cases run in this process when it is the interpreter child.
+RUN_CPU_CASES = INTERPRET and not torch.cuda.is_available()
+# The parent of a CPU-only run starts the child.
+START_CHILD = not INTERPRET and not torch.cuda.is_available()
+
+
+def run_file_interpreted(test_file: str, timeout: int = 600) -> None:
+    """pytest ``test_file`` in a child process with TRITON_INTERPRET=1; fail with its output."""
+    here = os.path.dirname(os.path.abspath(test_file))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+        env=env, capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(here),
+    )
+    assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-4000:]
+    passed = re.search(r"(\d+) passed", run.stdout)
+    assert passed and int(passed.group(1)) > 0, "the interpreter child ran no test:\n" + run.stdout[-2000:]
