@@ -54,3 +54,48 @@ def test_accumulate_into_main_grad_needs_main_grad():
     w2.main_grad = torch.zeros(w2.shape)
     with pytest.raises(TypeError, match="float32"):
         moemlp.grouped_mlp(p.x, p.splits, p.probs, w1, w2, accumulate_into_main_grad=True)
+
+
+# --- the Triton backend: CPU interpreter in a child process (tests/_triton_env.py), or the GPU ----
+
+import _triton_env  # noqa: E402
+
+_TRITON_HERE = _triton_env.RUN_CPU_CASES or torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _triton_env.START_CHILD, reason="starts the interpreter child on a CPU-only machine")
+def test_triton_cases_under_interpreter():
+    _triton_env.run_file_interpreted(__file__)
+
+
+def _on_device(p):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q = p.cast(p.x.dtype)
+    q.x, q.probs, q.fc1_weight, q.fc2_weight = (t.detach().to(dev).requires_grad_() for t in
+                                                (p.x, p.probs, p.fc1_weight, p.fc2_weight))
+    q.splits, q.dy = p.splits.to(dev), p.dy.to(dev)
+    return q
+
+
+@pytest.mark.skipif(not _TRITON_HERE, reason="needs the interpreter child or a GPU")
+def test_triton_recompute_fc1_same_bits():
+    p = _on_device(make_problem([21, 0, 17], 32, 16, capacity=3, seed=23))
+    y0, g0 = run(p, backend="triton")
+    y1, g1 = run(p, backend="triton", recompute_fc1=True)
+    assert torch.equal(y0, y1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+
+
+@pytest.mark.skipif(not _TRITON_HERE, reason="needs the interpreter child or a GPU")
+def test_triton_main_grad_is_the_fp32_accumulator():
+    p = _on_device(make_problem([21, 0, 17], 32, 16, seed=24))
+    _, g_ref = run(p, backend="triton")
+    w1, w2 = (torch.nn.Parameter(t.detach().clone()) for t in (p.fc1_weight, p.fc2_weight))
+    for w in (w1, w2):
+        w.main_grad = torch.zeros(w.shape, device=w.device)
+    y = moemlp.grouped_mlp(p.x, p.splits, p.probs, w1, w2, backend="triton", accumulate_into_main_grad=True)
+    y.backward(p.dy)
+    for w, name in ((w1, "fc1_weight"), (w2, "fc2_weight")):
+        assert torch.equal(w.main_grad.to(torch.bfloat16), g_ref[name]), name
+        assert not torch.equal(w.main_grad.to(torch.bfloat16).float(), w.main_grad), name

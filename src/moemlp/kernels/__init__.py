@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["is_available", "unavailable_reason", "supports_recipe", "grouped_mlp_fwd", "grouped_mlp_bwd"]
+__all__ = ["is_available", "unavailable_reason", "supports_recipe", "grouped_mlp_fwd", "grouped_mlp_bwd", "grouped_fc1"]
 
 
 def _interpreting() -> bool:
@@ -87,15 +87,39 @@ def grouped_mlp_fwd(
     gg.launch_grouped_gemm(
         gg.FC1.value, x, fc1_weight, (N1 * H, H, 1), splits, probs, fc1_bias, h, z, None, None,
         N=F, K=H, N1=N1, cfg=cfg, scale_bias=False, store_z=True, store_partial=False,
-        config=gg.default_config("fc1", F, H, cfg.glu),
+        config=gg.default_config("fc1", F, H, cfg.glu, x.element_size()),
     )
     # FC2: B[e] = W2[e]ᵀ, element (n, k) = W2[e, n, k], n over H, k over F.
     gg.launch_grouped_gemm(
         gg.FC2.value, z, fc2_weight, (H * F, F, 1), splits, probs, fc2_bias, y, None, None, None,
         N=H, K=F, N1=N1, cfg=cfg, scale_bias=cfg.scale_fc2_bias, store_z=False, store_partial=False,
-        config=gg.default_config("fc2", H, F, cfg.glu),
+        config=gg.default_config("fc2", H, F, cfg.glu, x.element_size()),
     )
     return y, h
+
+
+def grouped_fc1(
+    x: Tensor,  # (M, H) compute dtype, rows grouped by expert
+    splits: Tensor,  # (E,) int32/int64 on x.device
+    fc1_weight: Tensor,  # (E, N1, H)
+    fc1_bias: Optional[Tensor],  # (E, N1)
+    cfg,  # MLPConfig
+) -> Tensor:
+    """h (M, N1) alone, for recompute_fc1: the FC1 launch of the forward without z."""
+    from . import _grouped_gemm as gg
+
+    _check_recipe(cfg)
+    _check_contiguous(x=x, splits=splits, fc1_weight=fc1_weight, fc1_bias=fc1_bias)
+    M, H = x.shape
+    E, N1, _ = fc1_weight.shape
+    F = N1 // 2 if cfg.glu else N1
+    h = torch.empty((M, N1), dtype=x.dtype, device=x.device)
+    gg.launch_grouped_gemm(
+        gg.FC1.value, x, fc1_weight, (N1 * H, H, 1), splits, None, fc1_bias, h, None, None, None,
+        N=F, K=H, N1=N1, cfg=cfg, scale_bias=False, store_z=False, store_partial=False,
+        config=gg.default_config("fc1", F, H, cfg.glu, x.element_size()),
+    )
+    return h
 
 
 def grouped_mlp_bwd(
@@ -110,6 +134,7 @@ def grouped_mlp_bwd(
     fc2_bias: Optional[Tensor],  # (E, H)
     cfg,  # MLPConfig
     needs: tuple[bool, bool, bool, bool, bool, bool],  # dx, dprobs, dw1, dw2, db1, db2
+    wgrad_dtype: Optional[torch.dtype] = None,  # dW1/dW2 dtype; None = the weights' (fp32 for main_grad)
 ) -> tuple[Optional[Tensor], ...]:
     """Returns (dx, dprobs, dfc1_weight, dfc2_weight, dfc1_bias, dfc2_bias); None where not needed."""
     from . import _grouped_gemm as gg
@@ -131,7 +156,7 @@ def grouped_mlp_bwd(
     if need_g_h or need_dprobs or need_dw2:
         # One FC2 dgrad pass gives every consumer of g_z: dprobs partials, g_h, and round(z) for
         # dW2 (recomputed from h here rather than in the wgrad kernel's prologue).
-        dgrad_config = gg.default_config("fc2_dgrad", F, H, cfg.glu)
+        dgrad_config = gg.default_config("fc2_dgrad", F, H, cfg.glu, x.element_size())
         num_parts = _cdiv(F, dgrad_config.BN)
         g_h = torch.empty((M, N1), dtype=x.dtype, device=device)
         z = torch.empty((M, F), dtype=x.dtype, device=device) if need_dw2 else None
@@ -154,21 +179,22 @@ def grouped_mlp_bwd(
             gg.launch_grouped_gemm(
                 gg.FC1_DGRAD.value, g_h, fc1_weight, (N1 * H, 1, H), splits, None, None, dx, None, None,
                 None, N=H, K=N1, N1=N1, cfg=cfg, scale_bias=False, store_z=False, store_partial=False,
-                config=gg.default_config("fc1_dgrad", H, N1, cfg.glu),
+                config=gg.default_config("fc1_dgrad", H, N1, cfg.glu, x.element_size()),
             )
-        wgrad_config = gg.default_config("wgrad", 0, 0, cfg.glu)
+        wgrad_config = gg.default_config("wgrad", 0, 0, cfg.glu, x.element_size())
         if need_dw1 or need_db1:
-            dw1 = torch.empty_like(fc1_weight) if need_dw1 else None
+            # The wgrad kernel stores its fp32 accumulator in dw's dtype: fp32 costs no extra pass.
+            dw1 = torch.empty_like(fc1_weight, dtype=wgrad_dtype or fc1_weight.dtype) if need_dw1 else None
             db1 = torch.empty_like(fc1_bias) if need_db1 else None
             gg.launch_grouped_wgrad(g_h, x if need_dw1 else None, splits, None, dw1, db1, False, wgrad_config)
         if need_dw2:
-            dw2 = torch.empty_like(fc2_weight)
+            dw2 = torch.empty_like(fc2_weight, dtype=wgrad_dtype or fc2_weight.dtype)
             db2 = torch.empty_like(fc2_bias) if need_db2 else None
             gg.launch_grouped_wgrad(dy, z, splits, probs, dw2, db2, cfg.scale_fc2_bias, wgrad_config)
     if need_db2 and db2 is None:
         db2 = torch.empty_like(fc2_bias)
         gg.launch_grouped_wgrad(
-            dy, None, splits, probs, None, db2, cfg.scale_fc2_bias, gg.default_config("wgrad", 0, 0, cfg.glu)
+            dy, None, splits, probs, None, db2, cfg.scale_fc2_bias, gg.default_config("wgrad", 0, 0, cfg.glu, x.element_size())
         )
     return dx, dprobs, dw1, dw2, db1, db2
 

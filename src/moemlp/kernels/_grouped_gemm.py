@@ -21,6 +21,8 @@ output row is written by exactly one program. No atomics: every sum has a fixed 
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from dataclasses import dataclass
 
@@ -314,18 +316,20 @@ def _epilogue(
             h_up = acc_up
             if HAS_BIAS:
                 h_up += tl.load(bias_row + n_h + G, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            act = glu_forward(h_gate, h_up, ACT, p0, p1, p2)  # from the fp32 accumulator
-        else:
-            act = unary_forward(h_gate, ACT)
-        z = act
-        if HAS_PROBS:
-            z = act * p[:, None]  # fp32 × fp32: an fp32 probs is never rounded
         h_out = out_ptr + row_base * N1 + (local * N1 + n_h[None, :])
         tl.store(h_out, _rounded(tl.where(is_real, h_gate, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
         if GLU:
             tl.store(h_out + G, _rounded(tl.where(is_real, h_up, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-        z_out = z_ptr + row_base * N + (local * N + offs_n[None, :])
-        tl.store(z_out, _rounded(tl.where(is_real, z, 0.0), z_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+        if STORE_Z:  # off for recompute_fc1's h-only launch (grouped_fc1): z_ptr is None there
+            if GLU:
+                act = glu_forward(h_gate, h_up, ACT, p0, p1, p2)  # from the fp32 accumulator
+            else:
+                act = unary_forward(h_gate, ACT)
+            z = act
+            if HAS_PROBS:
+                z = act * p[:, None]  # fp32 × fp32: an fp32 probs is never rounded
+            z_out = z_ptr + row_base * N + (local * N + offs_n[None, :])
+            tl.store(z_out, _rounded(tl.where(is_real, z, 0.0), z_ptr.dtype.element_ty, INTERPRETED), mask=mask)
     elif EPILOGUE == FC2:
         y = acc
         if HAS_BIAS:
@@ -514,7 +518,7 @@ class GemmConfig:
     PROMOTE: bool | None = None  # fp32 adds of BK-deep products; None: when dprobs partials are stored
 
 
-def default_config(kind: str, N: int, K: int, glu: bool) -> GemmConfig:
+def default_config(kind: str, N: int, K: int, glu: bool, elem_bytes: int = 2) -> GemmConfig:
     """Tile shapes for the H200, checked with ptxas (no spills); measurements in benchmarks/NOTES.md.
 
     Under the interpreter every program runs in numpy: 16-row tiles keep the CPU suite fast (16 is
@@ -543,6 +547,11 @@ def default_config(kind: str, N: int, K: int, glu: bool) -> GemmConfig:
         gpu = GemmConfig(128, 256, 64, 8, 3)
     if INTERPRET:
         return GemmConfig(16, 32 if gpu.SUBTILE > 1 else 16, 16, 4, 1, GROUP_M=4, SUBTILE=min(gpu.SUBTILE, 4))
+    if elem_bytes == 4:
+        # fp32 operands double every stage: 128×256 tiles at BK 64 and 3 stages would need 288 KiB of
+        # shared memory (H200: 227 KiB per block; seen failing 2026-11-30). BK 32 and 2 stages:
+        # (128 + 256)·32·4·2 = 96 KiB.
+        return dataclasses.replace(gpu, BK=32, num_stages=min(gpu.num_stages, 2))
     return gpu
 
 
