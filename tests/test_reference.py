@@ -273,3 +273,16 @@ def test_torch_compile_fullgraph_same_numbers():
     gc = torch.autograd.grad(yc, args, p.dy)
     for a, b in zip(g, gc):
         assert torch.equal(a, b)
+
+
+def test_bias_gradients_asked_without_biases_are_none():
+    # The backend contract: a bias gradient asked for with no bias is None, not a crash.
+    from moemlp._config import MLPConfig
+
+    p = make_problem([5, 6], 16, 8, seed=13)
+    cfg = MLPConfig(ACTIVATIONS["swiglu"], (), 8, False)
+    x, w1, w2, probs = (t.detach() for t in (p.x, p.fc1_weight, p.fc2_weight, p.probs))
+    _, h = reference.grouped_mlp_fwd(x, p.splits, probs, w1, w2, None, None, cfg)
+    grads = reference.grouped_mlp_bwd(p.dy, x, h, p.splits, probs, w1, w2, None, None, cfg, (True,) * 6)
+    assert grads[4] is None and grads[5] is None
+    assert grads[3] is not None and torch.isfinite(grads[3].float()).all()

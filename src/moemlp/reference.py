@@ -171,6 +171,8 @@ def grouped_mlp_bwd(
     """Returns (dx, dprobs, dfc1_weight, dfc2_weight, dfc1_bias, dfc2_bias); None where not needed."""
     need_dx, need_dprobs, need_dw1, need_dw2, need_db1, need_db2 = needs
     need_dprobs = need_dprobs and probs is not None
+    need_db1 = need_db1 and fc1_bias is not None
+    need_db2 = need_db2 and fc2_bias is not None
     acc = _acc_dtype(x.dtype)
     recipe = cfg.recipe
     lay = ExpertLayout(splits, x.shape[0], x.device)

@@ -76,9 +76,10 @@ def plot(rows: list[dict], path: str, title: str) -> bool:
         ax.set_xticks(list(xs), names, rotation=20, ha="right")
         ax.set_title(label)
         ax.set_ylabel("TFLOP/s")
-        ax.legend()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
