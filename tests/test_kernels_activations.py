@@ -1,7 +1,8 @@
 """The `tl` activation table (moemlp/kernels/_activations.py) against the torch table, elementwise.
 
 Runs on the GPU (where tl.exp is the hardware's approximate exp2), or under TRITON_INTERPRET=1 in
-a child pytest on a CPU-only machine (tests/_triton_env.py says why). Tolerance against the float64 evaluation of the torch table:
+a child pytest on a CPU-only machine (tests/_triton_env.py says why). Tolerance against the float64
+evaluation of the torch table:
 2e-6 relative + 1e-6 · (1 + |gate|)(1 + |up|) absolute. The exp-based tanh and sigmoid are accurate
 to ~1e-6 relative (8 fp32 ulps; a bf16 output rounds at 4e-3), and the derivative formulas subtract
 terms as large as (1 + |gate|)(1 + |up|): gelu'(-3.46) = 0.5(1 + t) + ..., t ≈ -0.9998, loses
@@ -10,12 +11,12 @@ about 13 bits to cancellation in any fp32 evaluation, torch's included.
 
 from __future__ import annotations
 
-import _triton_env
 import pytest
 import torch
 import triton
 import triton.language as tl
 
+import _triton_env
 from moemlp.activations import ACTIVATIONS
 from moemlp.kernels._activations import glu_backward, glu_forward, unary_backward, unary_forward
 

@@ -48,7 +48,8 @@ def is_available(device) -> bool:
 def _check_recipe(cfg) -> None:
     if cfg.recipe is not None:
         raise ValueError(
-            f"recipe: the triton backend runs recipe=None only for now, got {getattr(cfg.recipe, 'key', cfg.recipe)!r}; "
+            "recipe: the triton backend runs recipe=None only for now, got "
+            f"{getattr(cfg.recipe, 'key', cfg.recipe)!r}; "
             "use backend='torch' for block-scaled recipes"
         )
 
@@ -194,7 +195,8 @@ def grouped_mlp_bwd(
     if need_db2 and db2 is None:
         db2 = torch.empty_like(fc2_bias)
         gg.launch_grouped_wgrad(
-            dy, None, splits, probs, None, db2, cfg.scale_fc2_bias, gg.default_config("wgrad", 0, 0, cfg.glu, x.element_size())
+            dy, None, splits, probs, None, db2, cfg.scale_fc2_bias,
+            gg.default_config("wgrad", 0, 0, cfg.glu, x.element_size()),
         )
     return dx, dprobs, dw1, dw2, db1, db2
 

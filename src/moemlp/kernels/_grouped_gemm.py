@@ -22,7 +22,6 @@ output row is written by exactly one program. No atomics: every sum has a fixed 
 from __future__ import annotations
 
 import dataclasses
-
 import os
 from dataclasses import dataclass
 
@@ -319,7 +318,8 @@ def _epilogue(
         h_out = out_ptr + row_base * N1 + (local * N1 + n_h[None, :])
         tl.store(h_out, _rounded(tl.where(is_real, h_gate, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
         if GLU:
-            tl.store(h_out + G, _rounded(tl.where(is_real, h_up, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+            tl.store(h_out + G, _rounded(tl.where(is_real, h_up, 0.0), out_ptr.dtype.element_ty, INTERPRETED),
+                     mask=mask)
         if STORE_Z:  # off for recompute_fc1's h-only launch (grouped_fc1): z_ptr is None there
             if GLU:
                 act = glu_forward(h_gate, h_up, ACT, p0, p1, p2)  # from the fp32 accumulator
@@ -354,7 +354,8 @@ def _epilogue(
         if HAS_PROBS:
             g_a = g_z * p[:, None]
         g_out = out_ptr + row_base * N1 + (local * N1 + n_h[None, :])
-        tl.store(g_out, _rounded(tl.where(is_real, g_a * d_gate, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+        tl.store(g_out, _rounded(tl.where(is_real, g_a * d_gate, 0.0), out_ptr.dtype.element_ty, INTERPRETED),
+                 mask=mask)
         if GLU:
             tl.store(g_out + G, _rounded(tl.where(is_real, g_a * d_up, 0.0), out_ptr.dtype.element_ty, INTERPRETED),
                      mask=mask)
@@ -438,8 +439,10 @@ def _grouped_wgrad_kernel(
             rows = k0 + offs_k
             rows64 = rows.to(tl.int64)
             k_mask = rows < e_end
-            g = tl.load(g_ptr + rows64[:, None] * P + offs_p[None, :], mask=k_mask[:, None] & p_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + rows64[:, None] * Q + offs_q[None, :], mask=k_mask[:, None] & q_mask[None, :], other=0.0)
+            g = tl.load(g_ptr + rows64[:, None] * P + offs_p[None, :], mask=k_mask[:, None] & p_mask[None, :],
+                        other=0.0)
+            x = tl.load(x_ptr + rows64[:, None] * Q + offs_q[None, :], mask=k_mask[:, None] & q_mask[None, :],
+                        other=0.0)
             if INTERPRETED:
                 g = g.to(tl.float32)
                 x = x.to(tl.float32)
@@ -464,7 +467,8 @@ def _grouped_wgrad_kernel(
                 if SCALE_B:
                     g = g * tl.load(probs_ptr + rows, mask=k_mask, other=0.0).to(tl.float32)[:, None]
                 acc_b += tl.sum(g, axis=0)
-            tl.store(db_ptr + e.to(tl.int64) * P + offs_p, _rounded(acc_b, db_ptr.dtype.element_ty, INTERPRETED), mask=p_mask)
+            tl.store(db_ptr + e.to(tl.int64) * P + offs_p, _rounded(acc_b, db_ptr.dtype.element_ty, INTERPRETED),
+                     mask=p_mask)
 
 
 @triton.jit
