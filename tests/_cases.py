@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moemlp
 from moemlp.activations import ACTIVATIONS
@@ -121,3 +122,29 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(num):
         return float("inf")
     return float(num / den) if den > 0 else float(num)
+
+
+class ConversionRecorder(TorchDispatchMode):
+    """Records every op whose output is an fp32 tensor of the given shape made by a dtype change."""
+
+    _CONVERSIONS = {"_to_copy", "to", "type_as", "_to_copy.default", "convert_element_type"}
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = tuple(shape)
+        self.ops = []
+        self.conversions = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.ops.append(name)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for o in outs:
+            if (isinstance(o, torch.Tensor) and o.dtype == torch.float32
+                    and tuple(o.shape) == self.shape and name in self._CONVERSIONS):
+                self.conversions.append(name)
+            if name == "copy_" and isinstance(args[1], torch.Tensor) and args[1].dtype != args[0].dtype \
+                    and tuple(args[0].shape) == self.shape and args[0].dtype == torch.float32:
+                self.conversions.append("copy_ with dtype change")
+        return out

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import moemlp
-from _cases import make_problem, rel_err, run, run_composition
+from _cases import ConversionRecorder, make_problem, rel_err, run, run_composition
 from moemlp import reference
 from moemlp.activations import ACTIVATIONS
 
@@ -178,38 +177,12 @@ def test_dprobs_fp32_exact_to_1e5(seed):
     assert rel_err(grads_c["probs"], _dprobs_float64(p, h)) > 10 * err
 
 
-class _ConversionRecorder(TorchDispatchMode):
-    """Records every op whose output is an fp32 tensor of the given shape made by a dtype change."""
-
-    _CONVERSIONS = {"_to_copy", "to", "type_as", "_to_copy.default", "convert_element_type"}
-
-    def __init__(self, shape):
-        super().__init__()
-        self.shape = tuple(shape)
-        self.ops = []
-        self.conversions = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        self.ops.append(name)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        for o in outs:
-            if (isinstance(o, torch.Tensor) and o.dtype == torch.float32
-                    and tuple(o.shape) == self.shape and name in self._CONVERSIONS):
-                self.conversions.append(name)
-            if name == "copy_" and isinstance(args[1], torch.Tensor) and args[1].dtype != args[0].dtype \
-                    and tuple(args[0].shape) == self.shape and args[0].dtype == torch.float32:
-                self.conversions.append("copy_ with dtype change")
-        return out
-
-
 def test_no_conversion_of_dprobs_in_backward():
     p = make_problem([13, 0, 21], 32, 16, capacity=3, seed=9)
     M = p.x.shape[0]
     y = moemlp.grouped_mlp(p.x, p.splits, p.probs, p.fc1_weight, p.fc2_weight, backend="torch")
     # The whole autograd backward: the op's dprobs is returned as it is.
-    with _ConversionRecorder((M,)) as rec:
+    with ConversionRecorder((M,)) as rec:
         (dprobs,) = torch.autograd.grad(y, [p.probs], p.dy)
     assert dprobs.dtype == torch.float32
     assert rec.conversions == [], rec.conversions
@@ -220,13 +193,13 @@ def test_no_conversion_of_dprobs_in_backward():
     cfg = MLPConfig(ACTIVATIONS["swiglu"], (), 16, False)
     x, w1, w2, probs = (t.detach() for t in (p.x, p.fc1_weight, p.fc2_weight, p.probs))
     _, h = reference.grouped_mlp_fwd(x, p.splits, probs, w1, w2, None, None, cfg)
-    with _ConversionRecorder((M,)) as rec:
+    with ConversionRecorder((M,)) as rec:
         _, dprobs2, *_ = reference.grouped_mlp_bwd(p.dy, x, h, p.splits, probs, w1, w2, None, None,
                                                    cfg, (False, True, False, False, False, False))
     assert rec.conversions == [], rec.conversions
     assert torch.equal(dprobs2, dprobs)
     # The recorder does see a conversion when there is one (the test can fail).
-    with _ConversionRecorder((M,)) as rec:
+    with ConversionRecorder((M,)) as rec:
         torch.zeros(M, dtype=torch.bfloat16).to(torch.float32)
     assert rec.conversions
 
