@@ -107,8 +107,9 @@ def run_bench(shapes, device: torch.device, backend: str, out_dir: str, rep_ms: 
         ["shape", "moemlp_fwd_tflops", "torch_fwd_tflops", "speedup_fwd", "moemlp_fwdbwd_tflops",
          "torch_fwdbwd_tflops", "speedup_fwdbwd", "moemlp_saved_bytes_per_row",
          "torch_saved_bytes_per_row"],
-        "TFLOP/s (forward 6·M·H·F, forward+backward 18·M·H·F), do_bench medians; saved = bytes kept "
-        "for backward per routed row beyond x and the weights (probs counted)",
+        "TFLOP/s (forward 6·M·H·F, forward+backward 18·M·H·F), medians "
+        + ("of triton's do_bench" if device.type == "cuda" else "of a host clock (CPU)")
+        + "; saved = bytes kept for backward per routed row beyond x and the weights (probs counted)",
     )
     print(f"\nwrote {csv_path}" + (f" and {png_path}" if wrote_png else ""), file=sys.stderr)
     return rows
