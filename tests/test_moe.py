@@ -308,3 +308,22 @@ def test_cuda_graph_capture_of_forward_backward():
         eager = [y] + list(grads)
         for name, c, e in zip(["y", "dx"] + [n for n, _ in moe.named_parameters()], captured, eager):
             assert torch.equal(c, e), f"{name}: graph replay differs from eager, max {(c - e).abs().max()}"
+
+
+def test_torch_compile_fullgraph_of_the_layer():
+    # One process, torch backend: router, sort, permute, the grouped-MLP custom op and the k-ordered
+    # combine trace into one graph with no break, and give the eager bits.
+    torch.manual_seed(0)
+    moe = MoE(32, 16, 4, 2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, backend="torch")
+    x = torch.randn(10, 32, requires_grad=True)
+    params = [x, moe.router.weight, moe.experts.fc1_weight, moe.experts.fc2_weight]
+
+    def f(x):
+        return moe(x)
+
+    y = f(x)
+    yc = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(y, yc)
+    dy = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, params, dy), torch.autograd.grad(yc, params, dy)):
+        assert torch.equal(a, b)
