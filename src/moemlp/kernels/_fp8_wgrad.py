@@ -1,0 +1,306 @@
+"""The native fp8_block weight-gradient grouped GEMM (SPEC §3): e4m3 operands on Hopper's FP8 tensor
+cores, block scales applied by promoting each 128-deep partial sum into an fp32 accumulator
+(DeepGEMM's scheme, as in _fp8_gemm.py).
+
+    dW[e] = G[R_e]ᵀ @ X[R_e]            for every expert e, R_e its rows; (E, N, K)
+
+    G: (T, N) gradient rows, X: (T, K) activation rows, both grouped by expert and quantized along
+       the rows (the reduction dim) in 1×128 blocks that restart at each expert's first row:
+       ``quantize_wgrad(t, splits, recipe, is_grad)`` (kernels.quantize, Triton) or
+       ``recipe.quantize_wgrad`` (torch), the expert-aligned padded layout of recipes.ExpertRows:
+       codes (P, ·) e4m3 with P = (⌈T/128⌉ + E)·128, expert e's rows from
+       padded_start[e] = Σ_{e'<e} ⌈s_e'/128⌉·128, padding rows code 0; scales fp32 (P/128, ·),
+       the dequantization scale of each 128-row block and column.
+
+Every 128-row block b of the padded layout belongs to one expert (or none), so the sum over an
+expert's rows is a sum over whole blocks, one K step each, with no mask along the reduction:
+
+    dW[e] = Σ_{b of e} (G_codes[b]ᵀ @ X_codes[b]) · (g_scale[b, :, None] · x_scale[b, None, :])
+
+Per step the 128-deep e4m3 × e4m3 product starts from zero on the tensor cores (fp32 out; the
+products of two e4m3 codes are exact, the 128-deep sum is Hopper's limited-precision accumulation,
+~14 bits per DeepSeek-V3 §3.3.2), then is scaled and added into the fp32 accumulator on the CUDA
+cores: the promotion, ordinary fp32 round-to-nearest arithmetic. With ``pow2_scales`` (the recipe's
+default) the scale product is exact. A padding row's codes are 0 in both operands, so it adds 0.
+
+Operand layout. Hopper's FP8 wgmma takes both operands K-major in shared memory (the reduction dim
+contiguous); the quantizer writes (P, N) and (P, K) codes, rows = the reduction dim. The launcher
+therefore transposes the codes with torch (``codes.t().contiguous()``) to Gᵀ (N, P) and Xᵀ (K, P):
+one byte per element read and written, 2·(N + K)·P bytes of traffic, e.g. 1.1 GB for mixtral's dW1
+at 16k rows (N = 28672, K = 4096), ~0.3 ms at the H200's ~4 TB/s next to a ~4-5 ms GEMM. The next
+step is to fuse that transposed store into quantize_wgrad (the quantizer holds each 128-row block in
+registers already, so it can store it as 128-byte rows of the transpose). The scales stay (P/128, ·), read with
+their own strides: row-major (the Triton quantizer's) gives one coalesced (BN,) and one (BK,) vector
+per step; the torch quantizer's column-major view is read as it is (strided, correct, slower).
+
+Tile schedule. One program per (expert, BN × BK output tile), expert-major, with GROUP_N n-tiles
+sharing each Xᵀ k-tile while it sits in L2 (as _grouped_wgrad_kernel). Not persistent: an expert's
+K loop is its own block count (1-4 steps for a small expert, ~T/(128·E) for an average one, 0 for an
+empty one, which stores zeros), so tiles differ in cost by orders of magnitude; a static round-robin
+over a persistent grid would leave SMs idle behind the longest expert, while a plain grid lets the
+hardware block scheduler hand out the next tile to whichever SM finishes first. Within a tile the
+scale vectors of step k+1 are loaded before step k's dot: triton's pipeliner prefetches only dot
+operands, and a scale load issued in the step that uses it appears to stall the promotion (~500 ns
+per step in the forward fp8 GEMM on the H200); issued one step ahead its latency hides behind the
+MMA (the sm_90 PTX has the loads before the step's wgmma, their registers read after the next wait).
+
+Expert offsets come from ``splits`` inside the kernel (``_grouped_gemm._expert_table``, clamped:
+negative → 0 rows, a sum past T truncated at T; no host read, CUDA-graph capturable); with clamped
+splits the blocks used never pass P/128 = ⌈T/128⌉ + E, so bad splits cannot make it read out of
+bounds. Operand tiles come through TMA descriptors (the transposed codes' rows are P bytes, a
+multiple of 128, so always 16-byte aligned; the copy engine zero-fills past N and K) or, with
+``USE_TMA=False``, through masked pointer loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._grouped_gemm import INTERPRET, TensorDescriptor, _e_block, _expert_table, _pick, _rounded, _tma_ok
+
+__all__ = ["Fp8WgradConfig", "default_fp8_wgrad_config", "fp8_block_grouped_wgrad"]
+
+BLOCK = 128  # fp8_block's row block of both wgrad operands: one K step of the reduction
+
+
+@triton.jit
+def _fp8_block_grouped_wgrad_kernel(
+    gt_ptr,  # (N, P) e4m3 codes of Gᵀ, contiguous: padded rows (the reduction) contiguous, K-major
+    g_scale_ptr,  # (P/128, N) fp32 dequantization scale of row block b, column n at b·stride_gsb + n·stride_gsn
+    xt_ptr,  # (K, P) e4m3 codes of Xᵀ, contiguous
+    x_scale_ptr,  # (P/128, K) fp32 at b·stride_xsb + k·stride_xsk
+    gt_desc,  # TMA descriptor of Gᵀ, block [BN, 128] (USE_TMA), else None
+    xt_desc,  # TMA descriptor of Xᵀ, block [BK, 128] (USE_TMA), else None
+    splits_ptr,  # (E,) int32/int64 rows per expert, on the device
+    out_ptr,  # (E, N, K) bf16 / fp16 / fp32
+    T,  # source rows: the splits are clamped to them
+    P,  # padded rows, (⌈T/128⌉ + E)·128
+    N,
+    K,
+    E,
+    stride_gsb,
+    stride_gsn,
+    stride_xsb,
+    stride_xsk,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BR: tl.constexpr,  # = 128 rows, one scale block: one K step of the reduction
+    GROUP_N: tl.constexpr,
+    E_BLOCK: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    tl.static_assert(BR == 128, "a reduction step must be exactly one 128-row scale block")
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    num_k = tl.cdiv(K, BK)
+    per_expert = num_n * num_k
+    e = pid // per_expert
+    t = pid % per_expert
+    # GROUP_N n-tiles share each Xᵀ k-tile while it sits in L2.
+    in_group = GROUP_N * num_k
+    first_n = (t // in_group) * GROUP_N
+    group_size = tl.minimum(num_n - first_n, GROUP_N)
+    tn = first_n + (t % in_group) % group_size
+    tk = (t % in_group) // group_size
+
+    # Row blocks per expert = ⌈clamped split / 128⌉; expert e's first block is the exclusive cumsum,
+    # which is padded_start[e] / 128 of the quantizer's layout for valid splits.
+    idx, starts, ends, blocks, block_cum = _expert_table(splits_ptr, E, T, E_BLOCK, BR)
+    n_blocks = _pick(idx, blocks, e)
+    first_block = _pick(idx, block_cum - blocks, e)
+
+    offs_n = tn * BN + tl.arange(0, BN)
+    offs_k = tk * BK + tl.arange(0, BK)
+    n_mask = offs_n < N
+    k_mask = offs_k < K
+    r0 = first_block.to(tl.int64) * BR  # int64: N·P passes 2^31 at 28672 columns × 75k padded rows
+    if not USE_TMA:
+        offs_r = tl.arange(0, BR)
+        g_ptrs = gt_ptr + offs_n.to(tl.int64)[:, None] * P + (r0 + offs_r)[None, :]  # (BN, BR)
+        x_ptrs = xt_ptr + offs_k.to(tl.int64)[None, :] * P + (r0 + offs_r)[:, None]  # (BR, BK)
+    # Columns past N / K get scale 0 (their codes are 0 too: zero-filled or masked) and are not stored.
+    gs_ptrs = g_scale_ptr + first_block.to(tl.int64) * stride_gsb + offs_n * stride_gsn
+    xs_ptrs = x_scale_ptr + first_block.to(tl.int64) * stride_xsb + offs_k * stride_xsk
+    # (masks as comparisons against a scalar limit: the triton 3.9 interpreter rejects a vector mask
+    # and-ed with a scalar bool)
+    g_s = tl.load(gs_ptrs, mask=offs_n < tl.where(n_blocks > 0, N, 0), other=0.0)
+    x_s = tl.load(xs_ptrs, mask=offs_k < tl.where(n_blocks > 0, K, 0), other=0.0)
+
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for i in range(0, n_blocks):
+        if USE_TMA:
+            r = (first_block + i) * BR  # int32 is enough here: P < 2^31 rows
+            g = gt_desc.load([tn * BN, r])
+            x = tl.trans(xt_desc.load([tk * BK, r]))
+        else:
+            g = tl.load(g_ptrs, mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            g_ptrs += BR
+            x_ptrs += BR
+        # Step i+1's scales, issued before step i's dot so their latency hides behind the MMA.
+        gs_ptrs += stride_gsb
+        xs_ptrs += stride_xsb
+        more = i + 1 < n_blocks
+        g_s_next = tl.load(gs_ptrs, mask=offs_n < tl.where(more, N, 0), other=0.0)
+        x_s_next = tl.load(xs_ptrs, mask=offs_k < tl.where(more, K, 0), other=0.0)
+        # The promotion: a fresh 128-deep tensor-core chain, scaled and added in fp32.
+        acc += tl.dot(g, x, out_dtype=tl.float32) * (g_s[:, None] * x_s[None, :])
+        g_s = g_s_next
+        x_s = x_s_next
+
+    # Every output element is stored by exactly one program; an expert with no rows stores zeros.
+    out_ptrs = out_ptr + e.to(tl.int64) * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    tl.store(out_ptrs, _rounded(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=n_mask[:, None] & k_mask[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+
+
+@dataclass(frozen=True)
+class Fp8WgradConfig:
+    BN: int  # output rows (G's columns) per tile
+    BK: int  # output columns (X's columns) per tile
+    num_warps: int
+    num_stages: int
+    GROUP_N: int = 8
+    USE_TMA: bool | None = None  # None: TMA when the transposed codes allow it (16-byte aligned rows)
+
+
+def default_fp8_wgrad_config() -> Fp8WgradConfig:
+    """Unmeasured H200 guess, the forward fp8 GEMM's tile: 128×128 at a 128-deep step is 32 KiB of
+    e4m3 operands per stage (4 stages: 128 KiB of the 227 KiB); the fp32 accumulator plus the
+    promoted partial are 2·64 registers per thread at 8 warps. Offline sm_90 compile (triton 3.9,
+    tests/test_fp8_wgrad.py): 241 registers with TMA, 246 with pointer loads, no spills; 4 stages or 3
+    (96 KiB) the same registers. Each step ends in ``wgmma.wait_group 0`` (the promotion consumes the
+    product at once), so no MMA overlaps the promotion within a CTA: 64×128 at 4 warps (168
+    registers, 96 KiB) fits two CTAs per SM, the candidate to measure against this one. 128×128 at 4
+    warps and 128×256 at 8 spill. Under the interpreter small tiles keep the CPU suite fast (16 is
+    tl.dot's smallest side)."""
+    if INTERPRET:
+        return Fp8WgradConfig(16, 32, 4, 1, GROUP_N=2)
+    return Fp8WgradConfig(128, 128, 8, 4)
+
+
+def _wgrad_parts(q, name: str) -> tuple[Tensor, Tensor, Tensor]:
+    """codes (P, C), scales (P/128, C) and rows (T,) of an fp8_block weight-gradient operand."""
+    for attr in ("codes", "scales", "rows"):
+        if not hasattr(q, attr):
+            raise TypeError(f"{name}: expected a QuantizedTensor from quantize_wgrad, got {type(q).__name__}")
+    codes, scales, rows = q.codes, q.scales, q.rows
+    if rows is None:
+        raise ValueError(
+            f"{name}: expected a weight-gradient operand (quantize_wgrad's padded row layout, .rows set), "
+            "got a forward/dgrad operand"
+        )
+    for t, what in ((codes, "codes"), (scales, "scales"), (rows, "rows")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}.{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if codes.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name}.codes: expected torch.float8_e4m3fn (fp8_block), got {codes.dtype}")
+    if scales.dtype != torch.float32:
+        raise TypeError(f"{name}.scales: expected fp32 dequantization scales (fp8_block), got {scales.dtype}")
+    if tuple(getattr(q, "block", (BLOCK,))) != (BLOCK,):
+        raise ValueError(f"{name}: expected 1x128 row blocks (fp8_block), got block {tuple(q.block)}")
+    if codes.ndim != 2 or codes.shape[0] % BLOCK:
+        raise ValueError(f"{name}.codes: expected (P, C) with P a multiple of 128, got shape {tuple(codes.shape)}")
+    P, C = codes.shape
+    if tuple(scales.shape) != (P // BLOCK, C):
+        raise ValueError(
+            f"{name}.scales: expected (P/128, C) = {(P // BLOCK, C)} (one per 128-row block and column), "
+            f"got {tuple(scales.shape)}"
+        )
+    if rows.ndim != 1:
+        raise ValueError(f"{name}.rows: expected (T,), got shape {tuple(rows.shape)}")
+    if not codes.is_contiguous():
+        raise ValueError(f"{name}.codes: expected a contiguous tensor")
+    return codes, scales, rows
+
+
+def fp8_block_grouped_wgrad(
+    g_q,
+    x_q,
+    splits: Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    config: Fp8WgradConfig | None = None,
+) -> Tensor:
+    """dW (E, N, K) in ``out_dtype``: dW[e] = dequant(G)[R_e]ᵀ @ dequant(X)[R_e]; zeros for an expert
+    with no rows.
+
+    g_q: fp8_block QuantizedTensor of the (T, N) gradient from ``quantize_wgrad(g, splits, recipe,
+         is_grad=True)``: codes (P, N) float8_e4m3fn, scales fp32 (P/128, N), rows (T,).
+    x_q: the same of the (T, K) activation, quantized with the same splits (same P and T).
+    splits: (E,) int32/int64 on the operands' device, the splits both operands were quantized with;
+         never read on the host (bad values are clamped in the kernel: see _grouped_gemm). The
+         operands' ``rows`` are not read either: the kernel recomputes the layout from the splits.
+    out_dtype: bf16, fp16 or fp32 (one rounding of the fp32 accumulator in the store).
+
+    The codes are transposed here with torch (see the module docstring: fusing the transposed store
+    into quantize_wgrad is the next step), so the call allocates (N + K)·P bytes of scratch.
+    """
+    g_codes, g_scales, g_rows = _wgrad_parts(g_q, "g_q")
+    x_codes, x_scales, x_rows = _wgrad_parts(x_q, "x_q")
+    P, N = g_codes.shape
+    K = x_codes.shape[1]
+    if x_codes.shape[0] != P:
+        raise ValueError(f"x_q.codes: expected P = {P} padded rows (g_q's), got shape {tuple(x_codes.shape)}")
+    T = g_rows.shape[0]
+    if x_rows.shape[0] != T:
+        raise ValueError(f"x_q.rows: expected T = {T} source rows (g_q's), got {x_rows.shape[0]}")
+    if not isinstance(splits, Tensor) or splits.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"splits: expected an int32/int64 tensor, got {getattr(splits, 'dtype', type(splits))}")
+    if splits.ndim != 1:
+        raise ValueError(f"splits: expected shape (E,), got {tuple(splits.shape)}")
+    E = splits.shape[0]
+    if P != (triton.cdiv(T, BLOCK) + E) * BLOCK:
+        raise ValueError(
+            f"splits: expected the E with P = (ceil(T/128) + E)·128 = {P} (T = {T}) that the operands were "
+            f"quantized with, got E = {E}"
+        )
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+    device = g_codes.device
+    for t, what in (
+        (g_scales, "g_q.scales"),
+        (x_codes, "x_q.codes"),
+        (x_scales, "x_q.scales"),
+        (splits, "splits"),
+    ):
+        if t.device != device:
+            raise TypeError(f"{what}: expected a tensor on {device} (g_q.codes'), got {t.device}")
+    config = config or default_fp8_wgrad_config()
+
+    out = torch.empty((E, N, K), dtype=out_dtype, device=device)
+    if out.numel() == 0:
+        return out
+    # K-major operands for wgmma: Gᵀ (N, P), Xᵀ (K, P). (T = 0: every expert has no block, so the
+    # kernel reads no code and stores zeros; the quantizer leaves such codes unwritten.)
+    g_t = g_codes.t().contiguous()
+    x_t = x_codes.t().contiguous()
+    use_tma = _tma_ok(g_t, x_t) if config.USE_TMA is None else config.USE_TMA
+    if use_tma and not _tma_ok(g_t, x_t):
+        raise ValueError("config: USE_TMA needs triton's TensorDescriptor and 16-byte aligned code rows")
+    g_desc = TensorDescriptor.from_tensor(g_t, [config.BN, BLOCK]) if use_tma else None
+    x_desc = TensorDescriptor.from_tensor(x_t, [config.BK, BLOCK]) if use_tma else None
+    grid = (E * triton.cdiv(N, config.BN) * triton.cdiv(K, config.BK),)
+    _fp8_block_grouped_wgrad_kernel[grid](
+        g_t, g_scales, x_t, x_scales, g_desc, x_desc, splits, out,
+        T, P, N, K, E,
+        g_scales.stride(0), g_scales.stride(1), x_scales.stride(0), x_scales.stride(1),
+        BN=config.BN,
+        BK=config.BK,
+        BR=BLOCK,
+        GROUP_N=config.GROUP_N,
+        E_BLOCK=_e_block(E),
+        INTERPRETED=INTERPRET,
+        USE_TMA=use_tma,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
