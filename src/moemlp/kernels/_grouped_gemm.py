@@ -97,10 +97,18 @@ def _grouped_gemm_kernel(
     z_ptr,  # (M, F) compute dtype: round(act(h)·p), FC2's input and dW2's operand (STORE_Z)
     h_ptr,  # (M, N1) compute dtype: the stored pre-activation, read by FC2_DGRAD
     partial_ptr,  # (cdiv(F, BN), M) fp32: dprobs partials Σ_{f in tile} g_z·a (STORE_PARTIAL)
-    M, N, K, E,  # N: output columns of this GEMM (F for FC1/FC2_DGRAD, H for FC2/FC1_DGRAD)
-    stride_be, stride_bn, stride_bk,
-    N1, G,  # h columns; GLU block width: gate block j at columns 2jG.., up block at 2jG+G..
-    p0, p1, p2,  # activation parameters (fp32)
+    M,
+    N,
+    K,
+    E,  # N: output columns of this GEMM (F for FC1/FC2_DGRAD, H for FC2/FC1_DGRAD)
+    stride_be,
+    stride_bn,
+    stride_bk,
+    N1,
+    G,  # h columns; GLU block width: gate block j at columns 2jG.., up block at 2jG+G..
+    p0,
+    p1,
+    p2,  # activation parameters (fp32)
     unit,  # 1.0 (fp32), see _accumulate
     NUM_PROGS,
     EPILOGUE: tl.constexpr,
@@ -215,9 +223,38 @@ def _grouped_gemm_kernel(
         # The epilogue runs on column chunks of BN / SUBTILE: act, act' and their operands are
         # five (BM, BN) fp32 tensors at once, which at 128×128 and 8 warps is 320 registers per
         # thread; ptxas spilled them (612 local loads in FC2_DGRAD) before the split.
-        part = _epilogue_chunks(acc, acc_up, tn * BN, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr,
-                                z_ptr, h_ptr, N, N1, G, p0, p1, p2, BM, BN, SUBTILE, EPILOGUE, ACT, GLU, HAS_PROBS,
-                                HAS_BIAS, SCALE_BIAS, STORE_Z, INTERPRETED)
+        part = _epilogue_chunks(
+            acc,
+            acc_up,
+            tn * BN,
+            rows,
+            row_mask,
+            row_start,
+            is_real,
+            e,
+            p,
+            bias_ptr,
+            out_ptr,
+            z_ptr,
+            h_ptr,
+            N,
+            N1,
+            G,
+            p0,
+            p1,
+            p2,
+            BM,
+            BN,
+            SUBTILE,
+            EPILOGUE,
+            ACT,
+            GLU,
+            HAS_PROBS,
+            HAS_BIAS,
+            SCALE_BIAS,
+            STORE_Z,
+            INTERPRETED,
+        )
         if STORE_PARTIAL:
             # Σ_f g_z·a over this F tile, chunks added in column order: a fixed order.
             part = tl.where(is_real, part, 0.0)
@@ -244,26 +281,139 @@ def _accumulate(a, b, acc, unit, PROMOTE: tl.constexpr, DOT_PRECISION: tl.conste
 
 
 @triton.jit
-def _epilogue_chunks(acc, acc_up, col0, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr, z_ptr, h_ptr,
-                     N, N1, G, p0, p1, p2, BM: tl.constexpr, BW: tl.constexpr, CHUNKS: tl.constexpr,
-                     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr, HAS_PROBS: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, SCALE_BIAS: tl.constexpr, STORE_Z: tl.constexpr,
-                     INTERPRETED: tl.constexpr):
+def _epilogue_chunks(
+    acc,
+    acc_up,
+    col0,
+    rows,
+    row_mask,
+    row_start,
+    is_real,
+    e,
+    p,
+    bias_ptr,
+    out_ptr,
+    z_ptr,
+    h_ptr,
+    N,
+    N1,
+    G,
+    p0,
+    p1,
+    p2,
+    BM: tl.constexpr,
+    BW: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ACT: tl.constexpr,
+    GLU: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SCALE_BIAS: tl.constexpr,
+    STORE_Z: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """The epilogue of a (BM, BW) tile in CHUNKS column chunks, halving recursively; returns the
     dprobs partial summed over the chunks in column order (a fixed order)."""
     if CHUNKS == 1:
-        part = _epilogue(acc, acc_up, col0, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr, z_ptr,
-                         h_ptr, N, N1, G, p0, p1, p2, BM, BW, EPILOGUE, ACT, GLU, HAS_PROBS, HAS_BIAS, SCALE_BIAS,
-                         STORE_Z, INTERPRETED)
+        part = _epilogue(
+            acc,
+            acc_up,
+            col0,
+            rows,
+            row_mask,
+            row_start,
+            is_real,
+            e,
+            p,
+            bias_ptr,
+            out_ptr,
+            z_ptr,
+            h_ptr,
+            N,
+            N1,
+            G,
+            p0,
+            p1,
+            p2,
+            BM,
+            BW,
+            EPILOGUE,
+            ACT,
+            GLU,
+            HAS_PROBS,
+            HAS_BIAS,
+            SCALE_BIAS,
+            STORE_Z,
+            INTERPRETED,
+        )
     else:
         acc0, acc1 = _halves(acc, BM, BW)
         up0, up1 = _halves(acc_up, BM, BW)
-        part = _epilogue_chunks(acc0, up0, col0, rows, row_mask, row_start, is_real, e, p, bias_ptr, out_ptr, z_ptr,
-                                h_ptr, N, N1, G, p0, p1, p2, BM, BW // 2, CHUNKS // 2, EPILOGUE, ACT, GLU, HAS_PROBS,
-                                HAS_BIAS, SCALE_BIAS, STORE_Z, INTERPRETED)
-        part += _epilogue_chunks(acc1, up1, col0 + BW // 2, rows, row_mask, row_start, is_real, e, p, bias_ptr,
-                                 out_ptr, z_ptr, h_ptr, N, N1, G, p0, p1, p2, BM, BW // 2, CHUNKS // 2, EPILOGUE,
-                                 ACT, GLU, HAS_PROBS, HAS_BIAS, SCALE_BIAS, STORE_Z, INTERPRETED)
+        part = _epilogue_chunks(
+            acc0,
+            up0,
+            col0,
+            rows,
+            row_mask,
+            row_start,
+            is_real,
+            e,
+            p,
+            bias_ptr,
+            out_ptr,
+            z_ptr,
+            h_ptr,
+            N,
+            N1,
+            G,
+            p0,
+            p1,
+            p2,
+            BM,
+            BW // 2,
+            CHUNKS // 2,
+            EPILOGUE,
+            ACT,
+            GLU,
+            HAS_PROBS,
+            HAS_BIAS,
+            SCALE_BIAS,
+            STORE_Z,
+            INTERPRETED,
+        )
+        part += _epilogue_chunks(
+            acc1,
+            up1,
+            col0 + BW // 2,
+            rows,
+            row_mask,
+            row_start,
+            is_real,
+            e,
+            p,
+            bias_ptr,
+            out_ptr,
+            z_ptr,
+            h_ptr,
+            N,
+            N1,
+            G,
+            p0,
+            p1,
+            p2,
+            BM,
+            BW // 2,
+            CHUNKS // 2,
+            EPILOGUE,
+            ACT,
+            GLU,
+            HAS_PROBS,
+            HAS_BIAS,
+            SCALE_BIAS,
+            STORE_Z,
+            INTERPRETED,
+        )
     return part
 
 
@@ -278,10 +428,22 @@ def _epilogue(
     acc,  # (BM, BNS) fp32: h's gate part (FC1), y (FC2), g_z (FC2_DGRAD) or dx (FC1_DGRAD)
     acc_up,  # (BM, BNS) fp32: h's up part (FC1 with a GLU)
     col0,  # first output column of the chunk (over F for FC1/FC2_DGRAD, over H otherwise)
-    rows, row_mask, row_start, is_real, e,
+    rows,
+    row_mask,
+    row_start,
+    is_real,
+    e,
     p,  # (BM,) fp32 probs of the rows
-    bias_ptr, out_ptr, z_ptr, h_ptr,
-    N, N1, G, p0, p1, p2,
+    bias_ptr,
+    out_ptr,
+    z_ptr,
+    h_ptr,
+    N,
+    N1,
+    G,
+    p0,
+    p1,
+    p2,
     BM: tl.constexpr,
     BNS: tl.constexpr,
     EPILOGUE: tl.constexpr,
@@ -318,8 +480,9 @@ def _epilogue(
         h_out = out_ptr + row_base * N1 + (local * N1 + n_h[None, :])
         tl.store(h_out, _rounded(tl.where(is_real, h_gate, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
         if GLU:
-            tl.store(h_out + G, _rounded(tl.where(is_real, h_up, 0.0), out_ptr.dtype.element_ty, INTERPRETED),
-                     mask=mask)
+            tl.store(
+                h_out + G, _rounded(tl.where(is_real, h_up, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask
+            )
         if STORE_Z:  # off for recompute_fc1's h-only launch (grouped_fc1): z_ptr is None there
             if GLU:
                 act = glu_forward(h_gate, h_up, ACT, p0, p1, p2)  # from the fp32 accumulator
@@ -354,11 +517,15 @@ def _epilogue(
         if HAS_PROBS:
             g_a = g_z * p[:, None]
         g_out = out_ptr + row_base * N1 + (local * N1 + n_h[None, :])
-        tl.store(g_out, _rounded(tl.where(is_real, g_a * d_gate, 0.0), out_ptr.dtype.element_ty, INTERPRETED),
-                 mask=mask)
+        tl.store(
+            g_out, _rounded(tl.where(is_real, g_a * d_gate, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask
+        )
         if GLU:
-            tl.store(g_out + G, _rounded(tl.where(is_real, g_a * d_up, 0.0), out_ptr.dtype.element_ty, INTERPRETED),
-                     mask=mask)
+            tl.store(
+                g_out + G,
+                _rounded(tl.where(is_real, g_a * d_up, 0.0), out_ptr.dtype.element_ty, INTERPRETED),
+                mask=mask,
+            )
         if STORE_Z:
             z = act
             if HAS_PROBS:
@@ -382,7 +549,10 @@ def _grouped_wgrad_kernel(
     probs_ptr,  # (M,) fp32/bf16/fp16: db2 = Σ dy·p when SCALE_B
     dw_ptr,  # (E, P, Q) weight dtype
     db_ptr,  # (E, P) bias dtype
-    M, P, Q, E,
+    M,
+    P,
+    Q,
+    E,
     DO_W: tl.constexpr,
     DO_B: tl.constexpr,
     SCALE_B: tl.constexpr,
@@ -439,10 +609,12 @@ def _grouped_wgrad_kernel(
             rows = k0 + offs_k
             rows64 = rows.to(tl.int64)
             k_mask = rows < e_end
-            g = tl.load(g_ptr + rows64[:, None] * P + offs_p[None, :], mask=k_mask[:, None] & p_mask[None, :],
-                        other=0.0)
-            x = tl.load(x_ptr + rows64[:, None] * Q + offs_q[None, :], mask=k_mask[:, None] & q_mask[None, :],
-                        other=0.0)
+            g = tl.load(
+                g_ptr + rows64[:, None] * P + offs_p[None, :], mask=k_mask[:, None] & p_mask[None, :], other=0.0
+            )
+            x = tl.load(
+                x_ptr + rows64[:, None] * Q + offs_q[None, :], mask=k_mask[:, None] & q_mask[None, :], other=0.0
+            )
             if INTERPRETED:
                 g = g.to(tl.float32)
                 x = x.to(tl.float32)
@@ -467,8 +639,9 @@ def _grouped_wgrad_kernel(
                 if SCALE_B:
                     g = g * tl.load(probs_ptr + rows, mask=k_mask, other=0.0).to(tl.float32)[:, None]
                 acc_b += tl.sum(g, axis=0)
-            tl.store(db_ptr + e.to(tl.int64) * P + offs_p, _rounded(acc_b, db_ptr.dtype.element_ty, INTERPRETED),
-                     mask=p_mask)
+            tl.store(
+                db_ptr + e.to(tl.int64) * P + offs_p, _rounded(acc_b, db_ptr.dtype.element_ty, INTERPRETED), mask=p_mask
+            )
 
 
 @triton.jit
@@ -478,7 +651,10 @@ def _dprobs_reduce_kernel(
     fc2_bias_ptr,  # (E, H) compute dtype (BIAS_TERM)
     splits_ptr,  # (E,) int32/int64
     dprobs_ptr,  # (M,) probs.dtype: the tensor returned to the user; one rounding in this store
-    M, H, E, num_parts,
+    M,
+    H,
+    E,
+    num_parts,
     BIAS_TERM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -623,25 +799,40 @@ def launch_grouped_gemm(
     dummy = a  # never dereferenced: the constexpr flags switch its loads and stores off
     b_kmajor = b_strides[2] == 1
     glu_gather = cfg.glu and epilogue == FC1.value
-    use_tma = _tma_ok(a, b) and (not glu_gather or N % cfg.glu_interleave == 0 and (
-        cfg.glu_interleave == N or cfg.glu_interleave % config.BN == 0))
+    use_tma = _tma_ok(a, b) and (
+        not glu_gather
+        or N % cfg.glu_interleave == 0
+        and (cfg.glu_interleave == N or cfg.glu_interleave % config.BN == 0)
+    )
     a_desc = b_desc = None
     if use_tma:
         a_desc = TensorDescriptor.from_tensor(a, [config.BM, config.BK])
         b_block = [1, config.BN, config.BK] if b_kmajor else [1, config.BK, config.BN]
         b_desc = TensorDescriptor.from_tensor(b, b_block)
     _grouped_gemm_kernel[(num_progs,)](
-        a, b, a_desc, b_desc, splits,
+        a,
+        b,
+        a_desc,
+        b_desc,
+        splits,
         probs if probs is not None else dummy,
         bias if bias is not None else dummy,
         out,
         z if z is not None else dummy,
         h if h is not None else dummy,
         partial if partial is not None else dummy,
-        M, N, K, E,
-        b_strides[0], b_strides[1], b_strides[2],
-        N1, cfg.glu_interleave if cfg.glu else 1,
-        float(params[0]), float(params[1]), float(params[2]),
+        M,
+        N,
+        K,
+        E,
+        b_strides[0],
+        b_strides[1],
+        b_strides[2],
+        N1,
+        cfg.glu_interleave if cfg.glu else 1,
+        float(params[0]),
+        float(params[1]),
+        float(params[2]),
         1.0,
         num_progs,
         EPILOGUE=epilogue,
@@ -696,7 +887,10 @@ def launch_grouped_wgrad(
         probs if probs is not None else g,
         dw if dw is not None else g,
         db if db is not None else g,
-        M, P, Q, E,
+        M,
+        P,
+        Q,
+        E,
         DO_W=do_w,
         DO_B=db is not None,
         SCALE_B=scale_b and probs is not None,
@@ -729,10 +923,15 @@ def launch_dprobs_reduce(partial, dy, fc2_bias, splits, dprobs, num_parts: int, 
     else:
         block_r = 128
     _dprobs_reduce_kernel[(triton.cdiv(M, block_r),)](
-        partial, dy,
+        partial,
+        dy,
         fc2_bias if fc2_bias is not None else dy,
-        splits, dprobs,
-        M, H, E, num_parts,
+        splits,
+        dprobs,
+        M,
+        H,
+        E,
+        num_parts,
         BIAS_TERM=bias_term,
         BLOCK_R=block_r,
         BLOCK_H=16 if INTERPRET else 64,
