@@ -29,25 +29,22 @@ import sys
 import torch
 
 from moemlp.kernels import quantize as kq
-from moemlp.kernels._fp8_gemm import (
-    Fp8GemmConfig,
-    default_fp8_config,
-    fp8_block_grouped_gemm,
-    fp8_block_grouped_linear,
-)
+from moemlp.kernels._fp8_gemm import default_fp8_config, fp8_block_grouped_gemm, fp8_block_grouped_linear
+from moemlp.kernels._grouped_gemm import GemmConfig
 from moemlp.recipes import recipe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import SHAPES, bench  # noqa: E402
 
 SWEEP = [
-    Fp8GemmConfig(128, 128, 8, 4),  # the default: 238 registers, no spills (ptxas sm_90, triton 3.9)
-    Fp8GemmConfig(128, 128, 8, 3),
-    Fp8GemmConfig(128, 128, 8, 5),
-    Fp8GemmConfig(128, 128, 8, 4, USE_TMA=False),  # masked pointer loads: 254 registers
-    Fp8GemmConfig(64, 128, 4, 4),  # 195 registers, 96 KiB: two CTAs per SM could overlap promotion
-    Fp8GemmConfig(64, 128, 4, 6),
-    Fp8GemmConfig(128, 128, 8, 4, GROUP_M=16),
+    GemmConfig(128, 128, 128, 8, 4),  # the default: scales of step k+1 loaded before step k's dot
+    GemmConfig(128, 128, 128, 8, 4, PREFETCH_SCALES=False),  # the first session's kernel: loaded in-step
+    GemmConfig(128, 128, 128, 8, 3),
+    GemmConfig(128, 128, 128, 8, 5),
+    GemmConfig(64, 128, 128, 4, 4),  # two CTAs per SM could overlap one's promotion with the other's MMA
+    GemmConfig(64, 128, 128, 4, 6),
+    GemmConfig(128, 128, 128, 8, 4, GROUP_M=16),
+    GemmConfig(64, 64, 128, 8, 4, USE_TMA=False),  # the masked-pointer fallback (K % 16 != 0)
 ]
 
 
@@ -134,6 +131,7 @@ def bench_shape(name, r, sweep=False):
         for cfg in SWEEP:
             key = f"gemm {cfg.BM}x{cfg.BN} w{cfg.num_warps} s{cfg.num_stages} g{cfg.GROUP_M}"
             key += " ptr" if cfg.USE_TMA is False else ""
+            key += "" if cfg.PREFETCH_SCALES else " no-prefetch"
             res[key] = bench(lambda cfg=cfg: fp8_block_grouped_gemm(qx, qw, splits, torch.bfloat16, config=cfg))
     out_fp8 = fp8_block_grouped_gemm(qx, qw, splits, torch.float32)
     check(name, x, w, splits, qx, qw, out_fp8, out_rowwise)

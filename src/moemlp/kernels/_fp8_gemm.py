@@ -1,6 +1,6 @@
-"""The native fp8_block grouped GEMM (SPEC §3): e4m3 operands on Hopper's FP8 tensor cores, block
-scales applied by promoting each 128-deep partial sum into an fp32 accumulator (DeepGEMM's scheme,
-as DeepSeek-V3 trains).
+"""The native fp8_block grouped GEMM (SPEC §3) as a standalone op: e4m3 operands on Hopper's FP8
+tensor cores, block scales applied by promoting each 128-deep partial sum into an fp32 accumulator
+(DeepGEMM's scheme, as DeepSeek-V3 trains).
 
     out[R_e] = A[R_e] @ B[e]ᵀ (+ bias[e])       for every expert e, rows R_e grouped by expert
 
@@ -18,149 +18,30 @@ Hopper a limited-precision accumulation, ~14 bits per DeepSeek-V3 §3.3.2, which
 cut every 128); the scaling and the add into ``acc`` are ordinary fp32 (round-to-nearest) CUDA-core
 arithmetic. With ``pow2_scales`` (the recipe's default) the scale product is exact.
 
-Expert offsets come from ``splits`` inside the kernel (``_grouped_gemm._expert_table``: clamped, no
-host read), the launch is persistent over m-tiles × n-tiles, and rows past Σsplits are covered by
-capacity tiles that write zeros. Operand tiles come through TMA descriptors where the code rows are
-16-byte aligned (K % 16 == 0; the copy engine zero-fills the K tail and past each expert's N rows),
-else through masked pointer loads (any K, N); scales through pointer loads. Not yet measured on the
-H200 (benchmarks/NOTES.md, "fp8_block GEMM").
+The kernel is the grouped-MLP family's (``_grouped_gemm._grouped_gemm_kernel`` in FP8 mode, FC2's
+plain epilogue): expert offsets from device ``splits`` (clamped, no host read), a persistent launch
+over m-tiles × n-tiles, capacity tiles writing zeros past Σsplits, TMA operand tiles where code rows
+are 16-byte aligned (K % 16 == 0) else masked pointer loads, scales through pointer loads one K step
+ahead. The grouped MLP's fp8_block GEMMs run through the same kernel with their own epilogues.
+H200 figures: benchmarks/NOTES.md, "fp8_block GEMM".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
-import triton.language as tl
 from torch import Tensor
 
-from ._grouped_gemm import INTERPRET, TensorDescriptor, _e_block, _expert_table, _num_programs, _pick, _rounded, _tma_ok
+from ._grouped_gemm import FC2, GemmConfig, default_config, launch_grouped_gemm
 
-__all__ = ["Fp8GemmConfig", "fp8_block_grouped_gemm", "fp8_block_grouped_linear", "default_fp8_config"]
+__all__ = ["fp8_block_grouped_gemm", "fp8_block_grouped_linear", "default_fp8_config"]
 
 BLOCK = 128  # fp8_block's scale block along K, for both operands; the GEMM's BK
 
 
-@triton.jit
-def _fp8_block_grouped_gemm_kernel(
-    a_ptr,  # (M, K) e4m3 codes, rows grouped by expert, contiguous
-    a_scale_ptr,  # fp32 dequant scale of row m, K block kb at m·stride_asm + kb·stride_ask ((M, ⌈K/128⌉) or its .t())
-    b_ptr,  # (E, N, K) e4m3 codes, contiguous (K-major: what FP8 wgmma wants for both operands)
-    b_scale_ptr,  # (E, ⌈N/128⌉, ⌈K/128⌉) fp32 dequant scale per 128×128 tile, contiguous
-    a_desc,  # TMA descriptor of the a codes, block [BM, BK] (USE_TMA), else None
-    b_desc,  # TMA descriptor of the (E, N, K) b codes, block [1, BN, BK] (USE_TMA), else None
-    splits_ptr,  # (E,) int32/int64 rows per expert, on the device
-    bias_ptr,  # (E, N) any float dtype, added in fp32 (HAS_BIAS)
-    out_ptr,  # (M, N) bf16 / fp16 / fp32
-    M, N, K, E,
-    stride_asm, stride_ask,
-    NUM_PROGS,
-    HAS_BIAS: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,  # = 128, one scale block
-    GROUP_M: tl.constexpr,
-    E_BLOCK: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-    USE_TMA: tl.constexpr,
-):
-    tl.static_assert(BK == 128, "a K step must be exactly one 128-deep scale block")
-    pid = tl.program_id(0)
-    idx, starts, ends, tiles, tile_cum = _expert_table(splits_ptr, E, M, E_BLOCK, BM)
-    total_rows = tl.max(ends)
-    real_m_tiles = tl.sum(tiles)
-    cap_m_tiles = (M - total_rows + BM - 1) // BM  # zero-writing tiles over the capacity rows
-    num_m = real_m_tiles + cap_m_tiles
-    num_n = tl.cdiv(N, BN)
-    k_tiles = tl.cdiv(K, BK)
-    n_tiles_128 = tl.cdiv(N, 128)  # rows of one expert's weight-scale grid
-    offs_k = tl.arange(0, BK)
-
-    for tile in tl.range(pid, num_m * num_n, NUM_PROGS):
-        # GROUP_M m-tiles share each B n-tile while it sits in L2 (as _grouped_gemm_kernel).
-        in_group = GROUP_M * num_n
-        first_m = (tile // in_group) * GROUP_M
-        group_size = tl.minimum(num_m - first_m, GROUP_M)
-        tm = first_m + (tile % in_group) % group_size
-        tn = (tile % in_group) // group_size
-
-        is_real = tm < real_m_tiles
-        e = tl.minimum(tl.sum((tile_cum <= tm).to(tl.int32)), E - 1)
-        e_first_tile = _pick(idx, tile_cum - tiles, e)
-        row_start = tl.where(
-            is_real, _pick(idx, starts, e) + (tm - e_first_tile) * BM, total_rows + (tm - real_m_tiles) * BM
-        )
-        row_end = tl.where(is_real, _pick(idx, ends, e), M)
-        k_iters = tl.where(is_real, k_tiles, 0)  # capacity tiles read nothing
-
-        rows = row_start + tl.arange(0, BM)
-        row_mask = rows < row_end
-        rows64 = rows.to(tl.int64)  # M·K overflows int32 at 128k rows × 16k columns
-        offs_n = tn * BN + tl.arange(0, BN)
-        n_mask = offs_n < N
-        e64 = e.to(tl.int64)
-        # E·N·K passes 2^31 for real weights (mixtral FC1: 8 × 28672 × 4096 = 9.4e8; deepseek 32 ×
-        # 4096 × 7168 = 9.4e8; 2^31 = 2.1e9 at a few more experts): int64 base per expert.
-        a_ptrs = a_ptr + rows64[:, None] * K + offs_k[None, :]
-        b_ptrs = b_ptr + e64 * N * K + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]  # (BK, BN)
-        a_s_ptrs = a_scale_ptr + rows64 * stride_asm
-        # one scale per column: BN may span several 128-row weight tiles (or part of one)
-        b_s_ptrs = b_scale_ptr + (e64 * n_tiles_128 + offs_n // 128) * k_tiles
-
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kk in range(0, k_iters):
-            if USE_TMA:
-                # The copy engine zero-fills past K and past the expert's N rows of B; rows of the
-                # next expert that a tile's last rows read get scale 0 below and are never stored.
-                a = a_desc.load([row_start, kk * BK])
-                b = tl.trans(b_desc.load([e, tn * BN, kk * BK]).reshape(BN, BK))
-            else:
-                k_mask = offs_k < K - kk * BK
-                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                a_ptrs += BK
-                b_ptrs += BK
-            # Masked rows / columns get scale 0: their products are finite (codes 0) or never
-            # stored (another expert's rows, which may hold NaN codes, only reach unstored rows).
-            a_s = tl.load(a_s_ptrs + kk * stride_ask, mask=row_mask, other=0.0)
-            b_s = tl.load(b_s_ptrs + kk, mask=n_mask, other=0.0)
-            # The promotion: a fresh 128-deep tensor-core chain, scaled and added in fp32.
-            acc += tl.dot(a, b, out_dtype=tl.float32) * (a_s[:, None] * b_s[None, :])
-
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + e64 * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            acc += bias[None, :]  # capacity tiles: e is clamped to a real expert, zeroed below
-        acc = tl.where(is_real, acc, 0.0)
-        out_mask = row_mask[:, None] & n_mask[None, :]
-        # Every output row is stored by exactly one program: real tiles stop at their expert's end,
-        # capacity tiles cover [Σsplits, M).
-        out_ptrs = out_ptr + rows64[:, None] * N + offs_n[None, :]
-        tl.store(out_ptrs, _rounded(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
-
-
-# --------------------------------------------------------------------------------------------
-# Launchers
-
-
-@dataclass(frozen=True)
-class Fp8GemmConfig:
-    BM: int
-    BN: int
-    num_warps: int
-    num_stages: int
-    GROUP_M: int = 8
-    USE_TMA: bool | None = None  # None: TMA when the codes allow it (16-byte aligned rows: K % 16 == 0)
-
-
-def default_fp8_config() -> Fp8GemmConfig:
-    """Unmeasured H200 guess (benchmarks/NOTES.md, "fp8_block GEMM"): a 128×128 tile at BK = 128 is
-    32 KiB of e4m3 operands per stage (4 stages: 128 KiB of the 227 KiB); the fp32 accumulator plus
-    the promoted partial are 2·64 registers per thread at 8 warps. Under the interpreter small tiles
-    keep the CPU suite fast (16 is tl.dot's smallest side)."""
-    if INTERPRET:
-        return Fp8GemmConfig(16, 32, 4, 1, GROUP_M=4)
-    return Fp8GemmConfig(128, 128, 8, 4)
+def default_fp8_config() -> GemmConfig:
+    """The plain fp8_block GEMM's tile (``_grouped_gemm._fp8_config``)."""
+    return default_config("fc2", 0, 0, False, fp8=True)
 
 
 def _parts(q, name: str) -> tuple[Tensor, Tensor]:
@@ -189,7 +70,7 @@ def fp8_block_grouped_gemm(
     splits: Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     bias: Tensor | None = None,
-    config: Fp8GemmConfig | None = None,
+    config: GemmConfig | None = None,
 ) -> Tensor:
     """out (M, N) in ``out_dtype``: out[R_e] = dequant(A)[R_e] @ dequant(B[e])ᵀ (+ bias[e]); rows past
     Σsplits are 0.
@@ -213,6 +94,8 @@ def fp8_block_grouped_gemm(
     E, N, Kb = b_codes.shape
     if Kb != K:
         raise ValueError(f"b.codes: expected K = {K} (a's columns) in (E, N, K), got shape {tuple(b_codes.shape)}")
+    if K == 0:
+        raise ValueError("a.codes: K = 0 columns; an fp8_block GEMM needs at least one scale block")
     kb, nb = triton.cdiv(K, BLOCK), triton.cdiv(N, BLOCK)
     if tuple(a_scales.shape) != (M, kb):
         raise ValueError(f"a.scales: expected (M, ceil(K/128)) = {(M, kb)} (1x128 blocks), got {tuple(a_scales.shape)}")
@@ -245,36 +128,18 @@ def fp8_block_grouped_gemm(
         if t.device != device:
             raise TypeError(f"{what}: expected a tensor on {device} (a.codes'), got {t.device}")
 
+    config = config or default_fp8_config()
+    if config.BK != BLOCK:
+        raise ValueError(f"config: fp8_block needs BK = {BLOCK} (one scale block per K step), got {config.BK}")
     out = torch.empty((M, N), dtype=out_dtype, device=device)
     if M == 0 or N == 0:
         return out
     if E == 0:
         return out.zero_()  # no expert: every row is capacity
-    config = config or default_fp8_config()
-    bound = (triton.cdiv(M, config.BM) + E + 1) * triton.cdiv(N, config.BN)
-    num_progs = _num_programs(device, bound)
-    use_tma = _tma_ok(a_codes, b_codes) if config.USE_TMA is None else config.USE_TMA
-    if use_tma and not _tma_ok(a_codes, b_codes):
-        raise ValueError("config: USE_TMA needs 16-byte aligned code rows (K % 16 == 0)")
-    a_desc = TensorDescriptor.from_tensor(a_codes, [config.BM, BLOCK]) if use_tma else None
-    b_desc = TensorDescriptor.from_tensor(b_codes, [1, config.BN, BLOCK]) if use_tma else None
-    _fp8_block_grouped_gemm_kernel[(num_progs,)](
-        a_codes, a_scales, b_codes, b_scales, a_desc, b_desc, splits,
-        bias if bias is not None else a_scales,  # never dereferenced without HAS_BIAS
-        out,
-        M, N, K, E,
-        a_scales.stride(0), a_scales.stride(1),
-        num_progs,
-        HAS_BIAS=bias is not None,
-        BM=config.BM,
-        BN=config.BN,
-        BK=BLOCK,
-        GROUP_M=config.GROUP_M,
-        E_BLOCK=_e_block(E),
-        INTERPRETED=INTERPRET,
-        USE_TMA=use_tma,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+    launch_grouped_gemm(
+        FC2.value, a_codes, b_codes, (N * K, K, 1), splits, None, bias, out, None, None, None,
+        N=N, K=K, N1=N, cfg=None, scale_bias=False, store_z=False, store_partial=False, config=config,
+        a_scales=a_scales, b_scales=b_scales, b_scale_strides=(nb * kb, kb, 1),
     )  # fmt: skip
     return out
 
@@ -286,7 +151,7 @@ def fp8_block_grouped_linear(
     recipe=None,
     bias: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-    config: Fp8GemmConfig | None = None,
+    config: GemmConfig | None = None,
 ) -> Tensor:
     """out[R_e] = x[R_e] @ w[e]ᵀ (+ bias[e]) under fp8_block: x quantized 1×128 along K, w in 128×128
     tiles, both with the Triton quantizers (bit-exact with moemlp.recipes), then the fp8 GEMM.

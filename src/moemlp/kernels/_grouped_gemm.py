@@ -97,6 +97,9 @@ def _grouped_gemm_kernel(
     z_ptr,  # (M, F) compute dtype: round(act(h)·p), FC2's input and dW2's operand (STORE_Z)
     h_ptr,  # (M, N1) compute dtype: the stored pre-activation, read by FC2_DGRAD
     partial_ptr,  # (cdiv(F, BN), M) fp32: dprobs partials Σ_{f in tile} g_z·a (STORE_PARTIAL)
+    a_scale_ptr,  # FP8: fp32 dequant scale of row m, K block kb at m·stride_asm + kb·stride_ask
+    b_scale_ptr,  # FP8: fp32 dequant scale of B's 128×128 tile (n//128, k//128) of expert e (strides below)
+    acc_scale_ptr,  # ACC_SCALE: fp32 scalar multiplied onto the accumulator (nvfp4's per-tensor factors)
     M,
     N,
     K,
@@ -104,6 +107,11 @@ def _grouped_gemm_kernel(
     stride_be,
     stride_bn,
     stride_bk,
+    stride_asm,
+    stride_ask,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
     N1,
     G,  # h columns; GLU block width: gate block j at columns 2jG.., up block at 2jG+G..
     p0,
@@ -130,6 +138,10 @@ def _grouped_gemm_kernel(
     B_KMAJOR: tl.constexpr,
     SUBTILE: tl.constexpr,
     PROMOTE: tl.constexpr,
+    FP8: tl.constexpr,  # e4m3 codes of A and B with block scales (fp8_block): promoted 128-deep steps
+    ACC_SCALE: tl.constexpr,
+    PREFETCH_SCALES: tl.constexpr,  # FP8: load step k+1's scales before step k's dot
+    B_SCALE_SCALAR: tl.constexpr,  # FP8: every column of a tile has the same B scale
 ):
     TWO_ACC: tl.constexpr = GLU and EPILOGUE == FC1  # gate and up columns of one F block
     pid = tl.program_id(0)
@@ -165,6 +177,36 @@ def _grouped_gemm_kernel(
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         if TWO_ACC:
             acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+        if FP8:
+            tl.static_assert(BK == 128, "FP8: a K step is exactly one 128-deep scale block")
+            tl.static_assert(B_KMAJOR, "FP8: Hopper's e4m3 wgmma reads both operands K-major")
+            # One scale per row of A and per column of B (BN may span several 128-row weight tiles or
+            # part of one); masked rows and columns get scale 0: their products are never stored.
+            a_s_ptrs = a_scale_ptr + rows.to(tl.int64) * stride_asm
+            if B_SCALE_SCALAR:
+                # The tile's B rows lie in one 128-row weight tile (the host checked BN | 128, and
+                # G % BN == 0 for a GLU): one scale per step, not a (BN,) vector in the accumulator's
+                # column layout (BN/4 registers per thread, which spilled FC1's two accumulators).
+                offs_ns = tn * BN
+                ns_mask = offs_ns < N
+            else:
+                offs_ns = tn * BN + tl.arange(0, BN)
+                ns_mask = offs_ns < N
+            if TWO_ACC:
+                n_w = (offs_ns // G) * (2 * G) + offs_ns % G  # gate row of f in W1; up row = + G
+            else:
+                n_w = offs_ns
+            b_s_ptrs = b_scale_ptr + e.to(tl.int64) * stride_bse + (n_w // 128) * stride_bsn
+            if TWO_ACC:
+                b_su_ptrs = b_scale_ptr + e.to(tl.int64) * stride_bse + ((n_w + G) // 128) * stride_bsn
+            if PREFETCH_SCALES:
+                a_s, b_s = _fp8_scales(
+                    a_s_ptrs, b_s_ptrs, 0, k_tiles, row_mask, ns_mask, stride_ask, stride_bsk, B_SCALE_SCALAR
+                )
+                if TWO_ACC:
+                    _, b_su = _fp8_scales(
+                        a_s_ptrs, b_su_ptrs, 0, k_tiles, row_mask, ns_mask, stride_ask, stride_bsk, B_SCALE_SCALAR
+                    )
         if USE_TMA:
             # The copy engine zero-fills past K and past the weights' edges, so no masks: rows of
             # the next expert that a tile's last rows read are computed and never stored, and
@@ -172,21 +214,6 @@ def _grouped_gemm_kernel(
             n_b0 = tn * BN
             if TWO_ACC:
                 n_b0 = (n_b0 // G) * (2 * G) + n_b0 % G  # the host asks G == F or G % BN == 0
-            for kk in range(0, k_iters):
-                a = a_desc.load([row_start, kk * BK])
-                if B_KMAJOR:
-                    b = tl.trans(b_desc.load([e, n_b0, kk * BK]).reshape(BN, BK))
-                else:
-                    b = b_desc.load([e, kk * BK, n_b0]).reshape(BK, BN)
-                if INTERPRETED:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = _accumulate(a, b, acc, unit, PROMOTE, DOT_PRECISION)
-                if TWO_ACC:
-                    b_up = tl.trans(b_desc.load([e, n_b0 + G, kk * BK]).reshape(BN, BK))
-                    if INTERPRETED:
-                        b_up = b_up.to(tl.float32)
-                    acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         else:
             rows64 = rows.to(tl.int64)  # M·K overflows int32 at 128k rows × 16k columns
             offs_n = tn * BN + tl.arange(0, BN)
@@ -198,22 +225,60 @@ def _grouped_gemm_kernel(
             b_base = b_ptr + e.to(tl.int64) * stride_be
             a_ptrs = a_ptr + rows64[:, None] * K + offs_k[None, :]
             b_ptrs = b_base + n_b[None, :] * stride_bn + offs_k[:, None] * stride_bk
-            for kk in range(0, k_iters):
+        for kk in range(0, k_iters):
+            if USE_TMA:
+                a = a_desc.load([row_start, kk * BK])
+                if B_KMAJOR:
+                    b = tl.trans(b_desc.load([e, n_b0, kk * BK]).reshape(BN, BK))
+                else:
+                    b = b_desc.load([e, kk * BK, n_b0]).reshape(BK, BN)
+                if TWO_ACC:
+                    b_up = tl.trans(b_desc.load([e, n_b0 + G, kk * BK]).reshape(BN, BK))
+            else:
                 k_mask = offs_k < K - kk * BK
                 a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                if INTERPRETED:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = _accumulate(a, b, acc, unit, PROMOTE, DOT_PRECISION)
                 if TWO_ACC:
                     b_up = tl.load(b_ptrs + G * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                    if INTERPRETED:
-                        b_up = b_up.to(tl.float32)
-                    acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
                 a_ptrs += BK
                 b_ptrs += BK * stride_bk
+            if INTERPRETED:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+                if TWO_ACC:
+                    b_up = b_up.to(tl.float32)
+            if FP8:
+                k_s = kk + 1 if PREFETCH_SCALES else kk
+                a_s_n, b_s_n = _fp8_scales(
+                    a_s_ptrs, b_s_ptrs, k_s, k_tiles, row_mask, ns_mask, stride_ask, stride_bsk, B_SCALE_SCALAR
+                )
+                if TWO_ACC:
+                    _, b_su_n = _fp8_scales(
+                        a_s_ptrs, b_su_ptrs, k_s, k_tiles, row_mask, ns_mask, stride_ask, stride_bsk, B_SCALE_SCALAR
+                    )
+                if not PREFETCH_SCALES:
+                    a_s = a_s_n
+                    b_s = b_s_n
+                    if TWO_ACC:
+                        b_su = b_su_n
+                acc += _fp8_product(a, b, a_s, b_s, B_SCALE_SCALAR)
+                if TWO_ACC:
+                    acc_up += _fp8_product(a, b_up, a_s, b_su, B_SCALE_SCALAR)
+                if PREFETCH_SCALES:
+                    a_s = a_s_n
+                    b_s = b_s_n
+                    if TWO_ACC:
+                        b_su = b_su_n
+            else:
+                acc = _accumulate(a, b, acc, unit, PROMOTE, DOT_PRECISION)
+                if TWO_ACC:
+                    acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
 
+        if ACC_SCALE:
+            f = tl.load(acc_scale_ptr)
+            acc = acc * f
+            if TWO_ACC:
+                acc_up = acc_up * f
         if HAS_PROBS:
             p = tl.load(probs_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         else:
@@ -278,6 +343,34 @@ def _accumulate(a, b, acc, unit, PROMOTE: tl.constexpr, DOT_PRECISION: tl.conste
     else:
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc
+
+
+@triton.jit
+def _fp8_scales(
+    a_s_ptrs, b_s_ptrs, kk, k_tiles, row_mask, n_mask, stride_ask, stride_bsk, B_SCALE_SCALAR: tl.constexpr
+):
+    """The (BM,) A and the (BN,) or scalar B dequantization scales of K step kk. The step index is
+    clamped into [0, k_tiles): the prefetch one step past the last reads a valid, unused scale."""
+    kc = tl.maximum(tl.minimum(kk, k_tiles - 1), 0)
+    a_s = tl.load(a_s_ptrs + kc * stride_ask, mask=row_mask, other=0.0)
+    if B_SCALE_SCALAR:
+        b_s = tl.load(b_s_ptrs + kc * stride_bsk)
+    else:
+        b_s = tl.load(b_s_ptrs + kc * stride_bsk, mask=n_mask, other=0.0)
+    return a_s, b_s
+
+
+@triton.jit
+def _fp8_product(a, b, a_s, b_s, B_SCALE_SCALAR: tl.constexpr):
+    """The promotion (SPEC §3, fp8_block): a fresh 128-deep e4m3 × e4m3 tensor-core chain, scaled and
+    returned in fp32 for an ordinary fp32 add into the accumulator. Products of two e4m3 codes are
+    exact; on Hopper the chain itself keeps ~14 bits (DeepSeek-V3 §3.3.2), which is why it is cut
+    every 128."""
+    if B_SCALE_SCALAR:
+        scale = (a_s * b_s)[:, None]
+    else:
+        scale = a_s[:, None] * b_s[None, :]
+    return tl.dot(a, b, out_dtype=tl.float32) * scale
 
 
 @triton.jit
@@ -549,6 +642,7 @@ def _grouped_wgrad_kernel(
     probs_ptr,  # (M,) fp32/bf16/fp16: db2 = Σ dy·p when SCALE_B
     dw_ptr,  # (E, P, Q) weight dtype
     db_ptr,  # (E, P) bias dtype
+    acc_scale_ptr,  # ACC_SCALE: fp32 scalar multiplied onto dW's accumulator (nvfp4's per-tensor factors)
     M,
     P,
     Q,
@@ -564,6 +658,7 @@ def _grouped_wgrad_kernel(
     INTERPRETED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
+    ACC_SCALE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_p = tl.cdiv(P, BP)
@@ -619,6 +714,8 @@ def _grouped_wgrad_kernel(
                 g = g.to(tl.float32)
                 x = x.to(tl.float32)
             acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PRECISION)
+        if ACC_SCALE:
+            acc = acc * tl.load(acc_scale_ptr)
         dw = dw_ptr + e.to(tl.int64) * P * Q + offs_p[:, None].to(tl.int64) * Q + offs_q[None, :]
         tl.store(dw, _rounded(acc, dw_ptr.dtype.element_ty, INTERPRETED), mask=p_mask[:, None] & q_mask[None, :])
 
@@ -696,13 +793,17 @@ class GemmConfig:
     GROUP_M: int = 8
     SUBTILE: int = 1  # epilogue column chunks, a power of two
     PROMOTE: bool | None = None  # fp32 adds of BK-deep products; None: when dprobs partials are stored
+    PREFETCH_SCALES: bool = True  # fp8_block: scales of step k+1 loaded before step k's dot
+    USE_TMA: bool | None = None  # None: TMA where the operands allow it (16-byte aligned rows)
 
 
-def default_config(kind: str, N: int, K: int, glu: bool, elem_bytes: int = 2) -> GemmConfig:
+def default_config(kind: str, N: int, K: int, glu: bool, elem_bytes: int = 2, fp8: bool = False) -> GemmConfig:
     """Tile shapes for the H200, checked with ptxas (no spills); measurements in benchmarks/NOTES.md.
 
     Under the interpreter every program runs in numpy: 16-row tiles keep the CPU suite fast (16 is
     tl.dot's smallest side), with the same epilogue chunking as on the GPU so that code runs too."""
+    if fp8:
+        return _fp8_config(kind, glu)
     if kind == "fc1" and glu:
         # Two 128×128 fp32 accumulators (gate, up) = one 128×256 tile, 128 registers per thread at
         # 8 warps; the epilogue in 4 chunks of 32 columns fits in the rest (254 registers, no
@@ -732,6 +833,25 @@ def default_config(kind: str, N: int, K: int, glu: bool, elem_bytes: int = 2) ->
         # shared memory (H200: 227 KiB per block; seen failing 2026-11-30). BK 32 and 2 stages:
         # (128 + 256)·32·4·2 = 96 KiB.
         return dataclasses.replace(gpu, BK=32, num_stages=min(gpu.num_stages, 2))
+    return gpu
+
+
+def _fp8_config(kind: str, glu: bool) -> GemmConfig:
+    """fp8_block (FP8 mode): BK = 128, one scale block per K step. The promotion keeps each step's
+    product in registers next to the accumulator, so a tile holds twice the fp32 values of a bf16
+    one: FC1 with a GLU takes 64 columns of gate and of up (128×128 fp32 in all, as the others).
+    H200 2026-11-30 (benchmarks/NOTES.md, "fp8_block GEMM"): 128×128, 8 warps, 4 stages was the
+    best of the forward GEMM's sweep; 64×128 at 4 warps and 3/5 stages were 1-6% slower."""
+    if kind == "fc1" and glu:
+        gpu = GemmConfig(128, 64, 128, 8, 4, SUBTILE=2)
+    elif kind == "fc1":
+        gpu = GemmConfig(128, 128, 128, 8, 4, SUBTILE=2)
+    elif kind == "fc2_dgrad":
+        gpu = GemmConfig(128, 128, 128, 8, 4, SUBTILE=8)
+    else:
+        gpu = GemmConfig(128, 128, 128, 8, 4)
+    if INTERPRET:
+        return GemmConfig(16, 32 if gpu.SUBTILE > 1 else 16, 128, 4, 1, GROUP_M=4, SUBTILE=min(gpu.SUBTILE, 4))
     return gpu
 
 
@@ -787,23 +907,40 @@ def launch_grouped_gemm(
     store_z: bool,
     store_partial: bool,
     config: GemmConfig,
+    a_scales=None,  # fp8_block: (M, ⌈K/128⌉) fp32 dequant scales of a's e4m3 codes (any 2-D strides)
+    b_scales=None,  # fp8_block: fp32 dequant scales of b's 128×128 tiles ...
+    b_scale_strides: tuple[int, int, int] | None = None,  # ... tile (n//128, k//128) of expert e at e·s0 + ·s1 + ·s2
+    acc_scale=None,  # 0-d fp32 tensor multiplied onto the fp32 accumulator (nvfp4's per-tensor factors)
 ) -> None:
     M = a.shape[0]
     E = splits.shape[0]
     if M == 0 or N == 0:
         return
-    m_bound = triton.cdiv(M, config.BM) + E + 1
-    bound = m_bound * triton.cdiv(N, config.BN)
-    num_progs = _num_programs(a.device, bound)
-    params = tuple(cfg.activation_params) + (0.0,) * (3 - len(cfg.activation_params))
+    fp8 = a_scales is not None
+    # cfg None: a plain GEMM (FC2's epilogue without probs: out = acc (+ bias)), no activation
+    params = tuple(cfg.activation_params) + (0.0,) * (3 - len(cfg.activation_params)) if cfg else (0.0,) * 3
+    glu = cfg is not None and cfg.glu
     dummy = a  # never dereferenced: the constexpr flags switch its loads and stores off
     b_kmajor = b_strides[2] == 1
-    glu_gather = cfg.glu and epilogue == FC1.value
+    glu_gather = glu and epilogue == FC1.value
     use_tma = _tma_ok(a, b) and (
         not glu_gather
         or N % cfg.glu_interleave == 0
         and (cfg.glu_interleave == N or cfg.glu_interleave % config.BN == 0)
     )
+    if config.USE_TMA is not None:
+        if config.USE_TMA and not use_tma:
+            raise ValueError("config: USE_TMA needs 16-byte aligned operand rows (and GLU blocks a multiple of BN)")
+        use_tma = config.USE_TMA
+    elif fp8 and not use_tma and not INTERPRET:
+        # Code rows not 16-byte aligned (K % 16 != 0): the masked-pointer mainloop holds (BM, 128)
+        # pointer tensors besides the accumulator and the promoted product; at 128×128 every FP8
+        # epilogue spilled (ptxas sm_90, triton 3.9: 173-217 local loads), at 64×64 and 8 warps
+        # FC2 and FC2_DGRAD do not (FC1 with a GLU still spills 99). A fallback for odd shapes.
+        config = dataclasses.replace(config, BM=64, BN=64, num_warps=8, num_stages=4)
+    m_bound = triton.cdiv(M, config.BM) + E + 1
+    bound = m_bound * triton.cdiv(N, config.BN)
+    num_progs = _num_programs(a.device, bound)
     a_desc = b_desc = None
     if use_tma:
         a_desc = TensorDescriptor.from_tensor(a, [config.BM, config.BK])
@@ -821,6 +958,9 @@ def launch_grouped_gemm(
         z if z is not None else dummy,
         h if h is not None else dummy,
         partial if partial is not None else dummy,
+        a_scales if fp8 else dummy,
+        b_scales if fp8 else dummy,
+        acc_scale if acc_scale is not None else dummy,
         M,
         N,
         K,
@@ -828,16 +968,19 @@ def launch_grouped_gemm(
         b_strides[0],
         b_strides[1],
         b_strides[2],
+        a_scales.stride(0) if fp8 else 0,
+        a_scales.stride(1) if fp8 else 0,
+        *(b_scale_strides if fp8 else (0, 0, 0)),
         N1,
-        cfg.glu_interleave if cfg.glu else 1,
+        cfg.glu_interleave if glu else 1,
         float(params[0]),
         float(params[1]),
         float(params[2]),
         1.0,
         num_progs,
         EPILOGUE=epilogue,
-        ACT=cfg.activation.kernel_id,
-        GLU=cfg.glu,
+        ACT=cfg.activation.kernel_id if cfg else 0,
+        GLU=glu,
         HAS_PROBS=probs is not None,
         HAS_BIAS=bias is not None,
         SCALE_BIAS=scale_bias and probs is not None,
@@ -855,6 +998,10 @@ def launch_grouped_gemm(
         SUBTILE=config.SUBTILE,
         # g_z feeds dprobs, which SPEC §1 holds to fp32-accumulation accuracy (see _accumulate).
         PROMOTE=store_partial if config.PROMOTE is None else config.PROMOTE,
+        FP8=fp8,
+        ACC_SCALE=acc_scale is not None,
+        PREFETCH_SCALES=config.PREFETCH_SCALES,
+        B_SCALE_SCALAR=fp8 and 128 % config.BN == 0 and (not glu_gather or cfg.glu_interleave % config.BN == 0),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -869,6 +1016,7 @@ def launch_grouped_wgrad(
     db,
     scale_b: bool,
     config: GemmConfig,
+    acc_scale=None,  # 0-d fp32 tensor multiplied onto dW (not db): nvfp4's per-tensor factors
 ) -> None:
     M, P = g.shape
     E = splits.shape[0]
@@ -887,6 +1035,7 @@ def launch_grouped_wgrad(
         probs if probs is not None else g,
         dw if dw is not None else g,
         db if db is not None else g,
+        acc_scale if acc_scale is not None else g,
         M,
         P,
         Q,
@@ -902,6 +1051,7 @@ def launch_grouped_wgrad(
         INTERPRETED=INTERPRET,
         DOT_PRECISION=_dot_precision(g.dtype),
         USE_TMA=use_tma,
+        ACC_SCALE=acc_scale is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

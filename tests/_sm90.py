@@ -1,0 +1,60 @@
+"""Offline sm_90 compiles of the Triton kernels (no GPU needed): PTX, SASS and resource usage, so a
+test can assert which tensor-core instructions a config uses and that nothing spills."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+
+def compile_sm90(
+    kernel, constexprs: dict, pointers: dict, descriptors: dict | None, num_warps: int, num_stages: int
+) -> tuple[str, str, str]:
+    """Compiles ``kernel`` (a JITFunction) for sm_90. Arguments not named in ``constexprs``: pointers
+    get ``pointers[name]`` (default ``*fp32``), names ending in ``_desc`` ``descriptors[name]`` (or
+    None as a constexpr when ``descriptors`` is None), the rest are i32 scalars except fp32 activation
+    parameters and ``unit``. Pointers and N/K-like sizes are specialized as 16-divisible, as a launch
+    on real shapes does. Returns (ptx, sass, cuobjdump -res-usage)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("triton ships no cuobjdump here")
+    const = dict(constexprs)
+    sig = {}
+    for name in kernel.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name.endswith("_desc"):
+            if descriptors is None:
+                const[name] = None
+                sig[name] = "constexpr"
+            else:
+                sig[name] = descriptors[name]
+        elif name.endswith("_ptr"):
+            sig[name] = pointers.get(name, "*fp32")
+        elif name in ("p0", "p1", "p2", "unit"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    names = list(sig)
+    sizes = ("N", "K", "N1", "stride_be", "stride_bn", "stride_asm")
+    divisible = [n for n in names if n.endswith("_ptr") or n in sizes]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible if sig[n] != "constexpr"}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    )
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moemlp_sm90_{os.getpid()}.cubin")
+    with open(path, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+    return compiled.asm["ptx"], sass, usage
