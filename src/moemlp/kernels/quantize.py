@@ -17,6 +17,16 @@ Launchers:
                                   restart at each expert's first row (nvfp4: Hadamard rotation and
                                   stochastic rounding as the recipe says)
 Each returns a moemlp.recipes.QuantizedTensor laid out as the torch quantizer's (wgrad: see there).
+
+The same kernels, with DEQUANT set, quantize and dequantize in one pass for the emulated recipes
+(mxfp8, nvfp4, and fp8_block's weight-gradient GEMMs), writing code·block_scale in the input's layout:
+    dequantized(x, recipe, axis, out_dtype)               -> (values, factor)   ≙ recipe.qdq(x, axis)
+    dequantized_weight(w, recipe, dim, out_dtype)         -> (values, factor)   ≙ recipe.qdq_weight(w, dim)
+    dequantized_wgrad(t, splits, recipe, is_grad, out_dtype)
+                                                          -> (values, factor)   ≙ an operand of qdq_wgrad
+    exact_dtype(recipe, src_dtype)                        the out_dtype that holds the values exactly
+``factor`` is nvfp4's 0-d fp32 1/S_enc (None otherwise): ``values.float() * factor`` is the reference
+bit for bit. The section above ``exact_dtype`` gives the exactness argument per recipe.
 """
 
 from __future__ import annotations
@@ -26,7 +36,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["quantize", "quantize_weight", "quantize_wgrad", "supports"]
+__all__ = [
+    "quantize",
+    "quantize_weight",
+    "quantize_wgrad",
+    "supports",
+    "dequantized",
+    "dequantized_weight",
+    "dequantized_wgrad",
+    "exact_dtype",
+]
 
 _FP8_BLOCK, _MXFP8, _NVFP4 = 0, 1, 2
 _ROWWISE, _COLWISE, _TILES = 1, 0, 2
@@ -76,6 +95,15 @@ def e4m3_value(code):
 
 
 @triton.jit
+def e4m3_signed_value(code):
+    """e4m3 code bits (int32 in [0, 256)) -> fp32 with the sign; NaN codes (0x7F, 0xFF) -> NaN
+    (decoded from the bits: the interpreter reads the e4m3 NaN pattern of a float8 tensor as 480)."""
+    mag = e4m3_value(code & 0x7F)
+    v = tl.where((code & 0x80) != 0, -mag, mag)
+    return tl.where((code & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
 def fp8_block_scale(amax, POW2: tl.constexpr, VMAX: tl.constexpr):
     """scale = 448 / amax (IEEE division); overflow -> VMAX (the source dtype's max); POW2 clears the
     mantissa; amax 0, Inf, NaN -> 1."""
@@ -105,6 +133,14 @@ def e8m0_exponent(amax):
 def e8m0_quant_multiplier(e):
     """2^(127 - e) in fp32 (e = 254 -> 2^-127, e = 255 -> NaN)."""
     b = tl.where(e == 254, 0x00400000, (254 - e) << 23)
+    b = tl.where(e == 255, 0x7FFFFFFF, b)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_dequant_multiplier(e):
+    """2^(e - 127) in fp32 (e = 0 -> 2^-127, e = 255 -> NaN): recipes._formats.e8m0_dequant_multiplier."""
+    b = tl.where(e == 0, 0x00400000, e << 23)
     b = tl.where(e == 255, 0x7FFFFFFF, b)
     return b.to(tl.float32, bitcast=True)
 
@@ -144,6 +180,14 @@ def e2m1_code(y):
     )
     sign = ((y.to(tl.int32, bitcast=True) >> 28) & 8) * (y == y).to(tl.int32)
     return tl.where(y != y, 7, idx | sign)
+
+
+@triton.jit
+def e2m1_value(code):
+    """e2m1 code (int32 in [0, 16)) -> fp32: ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}."""
+    m = code & 7
+    mag = tl.where(m < 5, m.to(tl.float32) * 0.5, tl.where(m == 5, 3.0, tl.where(m == 6, 4.0, 6.0)))
+    return tl.where((code & 8) != 0, -mag, mag)
 
 
 @triton.jit
@@ -193,7 +237,9 @@ def hash_uniform(index, value_bits):
 def _quantize_kernel(
     x_ptr,  # (BATCH, M, K) bf16 / fp16 / fp32, contiguous
     codes_ptr,  # uint8: (BATCH, M, K); nvfp4 packed along the block axis: (BATCH, M, ⌈K/2⌉) or (BATCH, ⌈M/2⌉, K)
+    #             DEQUANT: the values code·block_scale, (BATCH, M, K) in the output dtype
     scales_ptr,  # (BATCH, M, ⌈K/B⌉) rowwise, (BATCH, ⌈M/B⌉, K) columnwise, (BATCH, ⌈M/128⌉, ⌈K/128⌉) tiles
+    #              DEQUANT: nvfp4: fp32 scalar, 1/S_enc (written by program (0, 0, 0)); others unused
     amax_ptr,  # nvfp4: fp32 scalar, the NaN-ignoring amax of the whole tensor
     M,
     K,
@@ -203,6 +249,7 @@ def _quantize_kernel(
     BK: tl.constexpr,  # tile cols; = the block for AXIS 1 (nvfp4: half of it)
     POW2: tl.constexpr,
     VMAX: tl.constexpr,
+    DEQUANT: tl.constexpr,  # write code·block_scale in x's layout instead of codes and scales
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -235,20 +282,32 @@ def _quantize_kernel(
             block_amax = tl.max(a, axis=0)[None, :]
             has_nan = tl.max(nan, axis=0)[None, :]
         s_code, inv = nvfp4_block_scale(block_amax, s_enc)
-        packed = e2m1_code(x0 * inv) | (e2m1_code(x1 * inv) << 4)
+        c0 = e2m1_code(x0 * inv)
+        c1 = e2m1_code(x1 * inv)
         s_code = tl.where(has_nan > 0, 0x7F, s_code)
-        if AXIS == 1:
-            kp = (K + 1) // 2
-            c_off = batch * M * kp + rm.to(tl.int64)[:, None] * kp + (rk // 2)[None, :]
-            tl.store(codes_ptr + c_off, packed.to(tl.uint8), mask=(rm < M)[:, None] & (rk < K)[None, :])
-            nb = tl.cdiv(K, 2 * BK)
-            s_off = batch * M * nb + rm.to(tl.int64)[:, None] * nb + pid_k
-            tl.store(scales_ptr + s_off, s_code.to(tl.uint8), mask=(rm < M)[:, None])
+        if DEQUANT:
+            # code·s is exact (≤ 6 significant bits, 2^-10 … 2688); the NaN mark makes its block NaN
+            s = tl.where(has_nan > 0, float("nan"), e4m3_value(s_code))
+            out_ty = codes_ptr.dtype.element_ty
+            v_ptr = codes_ptr + batch * M * K + off
+            tl.store(v_ptr, (e2m1_value(c0) * s).to(out_ty), mask=m0)
+            tl.store(v_ptr + r_step * K + k_step, (e2m1_value(c1) * s).to(out_ty), mask=m1)
+            s_dec = tl.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)  # the reference's 1/S_enc
+            tl.store(scales_ptr, s_dec, mask=(pid_m == 0) & (pid_k == 0) & (batch == 0))
         else:
-            c_off = batch * ((M + 1) // 2) * K + (rm // 2).to(tl.int64)[:, None] * K + rk[None, :]
-            tl.store(codes_ptr + c_off, packed.to(tl.uint8), mask=(rm < M)[:, None] & (rk < K)[None, :])
-            s_off = batch * tl.cdiv(M, 2 * BM) * K + pid_m.to(tl.int64) * K + rk[None, :]
-            tl.store(scales_ptr + s_off, s_code.to(tl.uint8), mask=(rk < K)[None, :])
+            packed = c0 | (c1 << 4)
+            if AXIS == 1:
+                kp = (K + 1) // 2
+                c_off = batch * M * kp + rm.to(tl.int64)[:, None] * kp + (rk // 2)[None, :]
+                tl.store(codes_ptr + c_off, packed.to(tl.uint8), mask=(rm < M)[:, None] & (rk < K)[None, :])
+                nb = tl.cdiv(K, 2 * BK)
+                s_off = batch * M * nb + rm.to(tl.int64)[:, None] * nb + pid_k
+                tl.store(scales_ptr + s_off, s_code.to(tl.uint8), mask=(rm < M)[:, None])
+            else:
+                c_off = batch * ((M + 1) // 2) * K + (rm // 2).to(tl.int64)[:, None] * K + rk[None, :]
+                tl.store(codes_ptr + c_off, packed.to(tl.uint8), mask=(rm < M)[:, None] & (rk < K)[None, :])
+                s_off = batch * tl.cdiv(M, 2 * BM) * K + pid_m.to(tl.int64) * K + rk[None, :]
+                tl.store(scales_ptr + s_off, s_code.to(tl.uint8), mask=(rk < K)[None, :])
     else:
         rm = pid_m * BM + tl.arange(0, BM)
         rk = pid_k * BK + tl.arange(0, BK)
@@ -266,22 +325,29 @@ def _quantize_kernel(
             scale = fp8_block_scale(amax, POW2, VMAX)
             codes = e4m3_code(x * scale)
             scale_out = tl.div_rn(1.0 + tl.zeros_like(scale), scale)  # the dequantization scale
+            dequant = scale_out
         else:
             e = e8m0_exponent(amax)
             codes = e4m3_code(x * e8m0_quant_multiplier(e))
             scale_out = e.to(tl.uint8)
-        tl.store(codes_ptr + batch * M * K + off, codes.to(tl.uint8), mask=mask)
-        if AXIS == 1:
-            nb = tl.cdiv(K, BK)
-            s_off = batch * M * nb + rm.to(tl.int64)[:, None] * nb + pid_k
-            tl.store(scales_ptr + s_off, scale_out, mask=(rm < M)[:, None])
-        elif AXIS == 0:
-            s_off = batch * tl.cdiv(M, BM) * K + pid_m.to(tl.int64) * K + rk[None, :]
-            tl.store(scales_ptr + s_off, scale_out, mask=(rk < K)[None, :])
+            dequant = e8m0_dequant_multiplier(e)
+        if DEQUANT:
+            # one fp32 product, as the reference's code · scale (exact for power-of-two scales)
+            values = e4m3_signed_value(codes) * dequant
+            tl.store(codes_ptr + batch * M * K + off, values.to(codes_ptr.dtype.element_ty), mask=mask)
         else:
-            nbk = tl.cdiv(K, BK)
-            s_off = batch * tl.cdiv(M, BM) * nbk + pid_m * nbk + pid_k + tl.zeros((1, 1), tl.int64)
-            tl.store(scales_ptr + s_off, scale_out)
+            tl.store(codes_ptr + batch * M * K + off, codes.to(tl.uint8), mask=mask)
+            if AXIS == 1:
+                nb = tl.cdiv(K, BK)
+                s_off = batch * M * nb + rm.to(tl.int64)[:, None] * nb + pid_k
+                tl.store(scales_ptr + s_off, scale_out, mask=(rm < M)[:, None])
+            elif AXIS == 0:
+                s_off = batch * tl.cdiv(M, BM) * K + pid_m.to(tl.int64) * K + rk[None, :]
+                tl.store(scales_ptr + s_off, scale_out, mask=(rk < K)[None, :])
+            else:
+                nbk = tl.cdiv(K, BK)
+                s_off = batch * tl.cdiv(M, BM) * nbk + pid_m * nbk + pid_k + tl.zeros((1, 1), tl.int64)
+                tl.store(scales_ptr + s_off, scale_out)
 
 
 @triton.jit
@@ -324,11 +390,13 @@ def hadamard16_rows(x, BK: tl.constexpr):
 @triton.jit
 def _wgrad_kernel(
     x_ptr,  # (T, K) bf16 / fp16 / fp32 operand of a weight-gradient GEMM, rows grouped by expert
-    row_start_ptr,  # (NB,) int64 first source row of each row block
+    row_start_ptr,  # (NB,) int64 first source row of each row block (unused blocks: the rows they zero)
     row_count_ptr,  # (NB,) int32 its rows (0..B; fewer for an expert's last block, 0 for unused blocks)
     codes_ptr,  # uint8 (NB·B, K); nvfp4 packed along rows: (NB·B/2, K)
-    scales_ptr,  # (NB, K): fp32 1/scale, uint8 e8m0, uint8 e4m3
+    #             DEQUANT: the values code·block_scale in the source layout (T, K), output dtype
+    scales_ptr,  # (NB, K): fp32 1/scale, uint8 e8m0, uint8 e4m3; DEQUANT: nvfp4 fp32 scalar 1/S_enc
     amax_ptr,  # nvfp4: fp32 scalar (AMAX_ONLY: (NB, nK) partials written instead)
+    T,
     K,
     RECIPE: tl.constexpr,
     B: tl.constexpr,  # rows per block: 128, 32, 16
@@ -338,6 +406,7 @@ def _wgrad_kernel(
     HADAMARD: tl.constexpr,  # nvfp4: rotate complete 16-row blocks
     STOCHASTIC: tl.constexpr,  # nvfp4: stochastic rounding (gradient operand)
     AMAX_ONLY: tl.constexpr,  # nvfp4 first pass: the amax of the (rotated) operand
+    DEQUANT: tl.constexpr,  # write code·block_scale back to the source rows instead of codes and scales
 ):
     pid_b = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -348,6 +417,9 @@ def _wgrad_kernel(
     mask = (r < count)[:, None] & (rk < K)[None, :]
     src = (start + r)[:, None] * K + rk[None, :]  # int64: T·K passes 2^31 for long batches
     x = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    # DEQUANT: a used block writes its rows; an unused one (count 0, x all zero, values +0) zeroes
+    # rows [start, start + B) past Σsplits, so every row of the output is written exactly once
+    out_mask = tl.where(count > 0, r < count, start + r < T)[:, None] & (rk < K)[None, :]
     if HADAMARD:
         x = tl.where(count == 16, hadamard16_rows(x, BK), x)
     if AMAX_ONLY:
@@ -362,24 +434,36 @@ def _wgrad_kernel(
             codes = e2m1_code_stochastic(x * inv, u)
         else:
             codes = e2m1_code(x * inv)
-        c0, c1 = tl.split(tl.permute(tl.reshape(codes, (B // 2, 2, BK)), (0, 2, 1)))  # even, odd rows
-        rp = pid_b.to(tl.int64) * (B // 2) + tl.arange(0, B // 2)
-        tl.store(codes_ptr + rp[:, None] * K + rk[None, :], (c0 | (c1 << 4)).to(tl.uint8), mask=(rk < K)[None, :])
         s_code = tl.where(has_nan > 0, 0x7F, s_code)
-        tl.store(scales_ptr + pid_b.to(tl.int64) * K + rk[None, :], s_code.to(tl.uint8), mask=(rk < K)[None, :])
+        if DEQUANT:
+            s = tl.where(has_nan > 0, float("nan"), e4m3_value(s_code))
+            tl.store(codes_ptr + src, (e2m1_value(codes) * s).to(codes_ptr.dtype.element_ty), mask=out_mask)
+            s_dec = tl.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)  # the reference's 1/S_enc
+            tl.store(scales_ptr, s_dec, mask=(pid_b == 0) & (pid_k == 0))
+        else:
+            c0, c1 = tl.split(tl.permute(tl.reshape(codes, (B // 2, 2, BK)), (0, 2, 1)))  # even, odd rows
+            rp = pid_b.to(tl.int64) * (B // 2) + tl.arange(0, B // 2)
+            tl.store(codes_ptr + rp[:, None] * K + rk[None, :], (c0 | (c1 << 4)).to(tl.uint8), mask=(rk < K)[None, :])
+            tl.store(scales_ptr + pid_b.to(tl.int64) * K + rk[None, :], s_code.to(tl.uint8), mask=(rk < K)[None, :])
     else:
         amax = tl.max(abs_or_zero(x), axis=0)[None, :]
         if RECIPE == 0:
             scale = fp8_block_scale(amax, POW2, VMAX)
             codes = e4m3_code(x * scale)
             scale_out = tl.div_rn(1.0 + tl.zeros_like(scale), scale)
+            dequant = scale_out
         else:
             e = e8m0_exponent(amax)
             codes = e4m3_code(x * e8m0_quant_multiplier(e))
             scale_out = e.to(tl.uint8)
-        rp = pid_b.to(tl.int64) * B + r
-        tl.store(codes_ptr + rp[:, None] * K + rk[None, :], codes.to(tl.uint8), mask=(rk < K)[None, :])
-        tl.store(scales_ptr + pid_b.to(tl.int64) * K + rk[None, :], scale_out, mask=(rk < K)[None, :])
+            dequant = e8m0_dequant_multiplier(e)
+        if DEQUANT:
+            values = e4m3_signed_value(codes) * dequant
+            tl.store(codes_ptr + src, values.to(codes_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            rp = pid_b.to(tl.int64) * B + r
+            tl.store(codes_ptr + rp[:, None] * K + rk[None, :], codes.to(tl.uint8), mask=(rk < K)[None, :])
+            tl.store(scales_ptr + pid_b.to(tl.int64) * K + rk[None, :], scale_out, mask=(rk < K)[None, :])
 
 
 # --- launchers ------------------------------------------------------------------------------------------
@@ -428,19 +512,36 @@ def _vmax(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
+def _block_axis(x: Tensor, axis: int, name: str = "axis") -> bool:
+    """True for blocks along the last dim (rowwise), False for the second to last (columnwise)."""
+    if isinstance(axis, bool) or not isinstance(axis, int) or axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
+        raise ValueError(f"{name}: the Triton quantizer blocks along dim -1 or -2, got {axis}")
+    return axis % x.ndim == x.ndim - 1
+
+
+def _block_grid(x: Tensor, rid: int, block: int, rowwise: bool) -> tuple[tuple[int, int, int], int, int]:
+    """(grid, BM, BK) of _quantize_kernel for 1-D blocks: one block per tile row (rowwise) or column."""
+    M, K = x.shape[-2:]
+    batch = x.numel() // max(M * K, 1)
+    if rid == _NVFP4:  # two interleaved half-tiles, even and odd elements along the block axis
+        bm, bk = (32, block // 2) if rowwise else (block // 2, 64)
+        if rowwise:
+            return (triton.cdiv(M, bm), triton.cdiv(K, 2 * bk), batch), bm, bk
+        return (triton.cdiv(M, 2 * bm), triton.cdiv(K, bk), batch), bm, bk
+    bm, bk = (32, block) if rowwise else (block, 64)
+    return (triton.cdiv(M, bm), triton.cdiv(K, bk), batch), bm, bk
+
+
 def quantize(x: Tensor, recipe, axis: int = -1):
     """Blocks along the last dim (axis -1) or the second to last (axis -2) of a contiguous x."""
     from ..recipes import QuantizedTensor, fp8_block, mxfp8, nvfp4
 
     _check(x, "x")
-    if axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
-        raise ValueError(f"axis: the Triton quantizer blocks along dim -1 or -2, got {axis}")
+    rowwise = _block_axis(x, axis)
     axis = axis % x.ndim
     rid = _recipe_id(recipe)
     block = recipe.block
     M, K = x.shape[-2:]
-    batch = x.numel() // max(M * K, 1)
-    rowwise = axis == x.ndim - 1
     lead = tuple(x.shape[:-2])
     nb = triton.cdiv(K if rowwise else M, block)
     scale_dtype = torch.float32 if rid == _FP8_BLOCK else torch.uint8
@@ -451,21 +552,14 @@ def quantize(x: Tensor, recipe, axis: int = -1):
         codes = torch.empty(
             lead + ((M, (K + 1) // 2) if rowwise else ((M + 1) // 2, K)), dtype=torch.uint8, device=x.device
         )
-        bm, bk = (32, block // 2) if rowwise else (block // 2, 64)
-        grid = (
-            (triton.cdiv(M, bm), triton.cdiv(K, 2 * bk), batch)
-            if rowwise
-            else (triton.cdiv(M, 2 * bm), triton.cdiv(K, bk), batch)
-        )
     else:
         codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-        bm, bk = (32, block) if rowwise else (block, 64)
-        grid = (triton.cdiv(M, bm), triton.cdiv(K, bk), batch)
+    grid, bm, bk = _block_grid(x, rid, block, rowwise)
     if x.numel():
         _quantize_kernel[grid](
             x, codes, scales, amax, M, K,
             RECIPE=rid, AXIS=_ROWWISE if rowwise else _COLWISE, BM=bm, BK=bk,
-            POW2=bool(getattr(recipe, "pow2_scales", False)), VMAX=_vmax(x.dtype),
+            POW2=bool(getattr(recipe, "pow2_scales", False)), VMAX=_vmax(x.dtype), DEQUANT=False,
         )  # fmt: skip
     if rid == _NVFP4:
         return QuantizedTensor(
@@ -505,7 +599,7 @@ def quantize_weight(w: Tensor, recipe):
         grid = (triton.cdiv(M, 128), triton.cdiv(K, 128), batch)
         _quantize_kernel[grid](
             w, codes, scales, scales, M, K, RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128,
-            POW2=bool(recipe.pow2_scales), VMAX=_vmax(w.dtype),
+            POW2=bool(recipe.pow2_scales), VMAX=_vmax(w.dtype), DEQUANT=False,
         )  # fmt: skip
     return QuantizedTensor(
         codes=codes.view(torch.float8_e4m3fn), scales=scales, shape=tuple(w.shape), axis=-1,
@@ -517,7 +611,11 @@ def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tens
     """The expert-aligned row blocks of a (T, K) wgrad operand, with torch ops on the device (no
     host read): block p covers padded rows [p·B, p·B + B) and source rows [start, start + count);
     NB = ⌈T/B⌉ + E blocks is the worst case. Returns (start int64, count int32, rows int64, NB)
-    where rows[t] is source row t's padded row, -1 past Σsplits (recipes' ExpertRows layout)."""
+    where rows[t] is source row t's padded row, -1 past Σsplits (recipes' ExpertRows layout).
+
+    The U = Σ⌈s_e/B⌉ used blocks come first; unused block p ≥ U has count 0 and start Σsplits + (p − U)·B:
+    the rows past Σsplits that the dequantizing pass zeroes. They reach T: U ≤ ⌊Σs/B⌋ + E, so
+    (NB − U)·B ≥ (⌈T/B⌉ − ⌊Σs/B⌋)·B ≥ T − Σs."""
     s = splits.to(device=device, dtype=torch.int64)
     num_experts = s.numel()
     nb = triton.cdiv(num_rows, block) + num_experts
@@ -531,7 +629,8 @@ def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tens
     ec = e.clamp(max=max(num_experts - 1, 0))
     start = starts[ec] + (p - first_block[ec]) * block
     count = torch.where(valid, (ends[ec] - start).clamp(0, block), torch.zeros_like(start))
-    start = torch.where(valid, start, torch.zeros_like(start))
+    tail = s.sum() + (p - blocks.sum()) * block  # unused blocks: rows past Σsplits
+    start = torch.where(valid, start, tail)
     t = torch.arange(num_rows, device=device)
     et = torch.searchsorted(ends, t, right=True)
     etc = et.clamp(max=max(num_experts - 1, 0))
@@ -540,16 +639,10 @@ def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tens
     return start.contiguous(), count.to(torch.int32).contiguous(), rows, nb
 
 
-def quantize_wgrad(t: Tensor, splits: Tensor, recipe, is_grad: bool = False):
-    """A (T, K) weight-gradient operand, blocks along rows restarting at each expert's first row, in
-    the expert-aligned padded layout of ``recipe.quantize_wgrad`` (same codes, scales and rows)."""
-    from ..recipes import QuantizedTensor, fp8_block, mxfp8, nvfp4
-
-    _check(t, "t")
-    if t.ndim != 2:
-        raise ValueError(f"t: expected a (T, K) operand, got shape {tuple(t.shape)}")
-    if splits.device != t.device:
-        raise TypeError(f"splits: expected a tensor on {t.device}, got {splits.device}")
+def _wgrad_launch(t: Tensor, splits: Tensor, recipe, is_grad: bool, out: Tensor | None):
+    """Both passes of a wgrad operand: nvfp4's amax pass, then the codes and scales (``out`` None) or
+    the values written into ``out`` (T, K). Returns (codes, scales, rows, amax, factor), the unused
+    ones None: factor is nvfp4's 1/S_enc for ``out``."""
     rid = _recipe_id(recipe)
     B = recipe.block
     T, K = t.shape
@@ -560,16 +653,40 @@ def quantize_wgrad(t: Tensor, splits: Tensor, recipe, is_grad: bool = False):
     stochastic = rid == _NVFP4 and recipe.stochastic_rounding and is_grad
     pow2 = bool(getattr(recipe, "pow2_scales", False))
     common = dict(RECIPE=rid, B=B, BK=bk, POW2=pow2, VMAX=_vmax(t.dtype), HADAMARD=hadamard, STOCHASTIC=stochastic)
-    scales = torch.empty((nb, K), dtype=torch.float32 if rid == _FP8_BLOCK else torch.uint8, device=t.device)
-    codes = torch.empty((nb * B // (2 if rid == _NVFP4 else 1), K), dtype=torch.uint8, device=t.device)
+    codes = scales = factor = None
+    if out is None:
+        scales = torch.empty((nb, K), dtype=torch.float32 if rid == _FP8_BLOCK else torch.uint8, device=t.device)
+        codes = torch.empty((nb * B // (2 if rid == _NVFP4 else 1), K), dtype=torch.uint8, device=t.device)
+    elif rid == _NVFP4:
+        factor = torch.empty((), dtype=torch.float32, device=t.device)
     amax = torch.zeros((), dtype=torch.float32, device=t.device)
     if rid == _NVFP4 and t.numel():
         partial = torch.empty(grid, dtype=torch.float32, device=t.device)
-        _wgrad_kernel[grid](t, start, count, codes, scales, partial, K, AMAX_ONLY=True, **common)
+        _wgrad_kernel[grid](
+            t, start, count, partial, partial, partial, T, K, AMAX_ONLY=True, DEQUANT=False, **common
+        )  # fmt: skip
         amax = partial.amax()
     if t.numel():
-        _wgrad_kernel[grid](t, start, count, codes, scales, amax, K, AMAX_ONLY=False, **common)
-    shape = (nb * B, K)
+        if out is None:
+            _wgrad_kernel[grid](t, start, count, codes, scales, amax, T, K, AMAX_ONLY=False, DEQUANT=False, **common)
+        else:
+            s_dec = factor if factor is not None else out
+            _wgrad_kernel[grid](t, start, count, out, s_dec, amax, T, K, AMAX_ONLY=False, DEQUANT=True, **common)
+    elif factor is not None:
+        factor.fill_(1.0)  # no rows: amax 0, S_enc 1
+    return codes, scales, rows, amax, factor
+
+
+def quantize_wgrad(t: Tensor, splits: Tensor, recipe, is_grad: bool = False):
+    """A (T, K) weight-gradient operand, blocks along rows restarting at each expert's first row, in
+    the expert-aligned padded layout of ``recipe.quantize_wgrad`` (same codes, scales and rows)."""
+    from ..recipes import QuantizedTensor, fp8_block, mxfp8, nvfp4
+
+    _check_wgrad(t, splits)
+    rid = _recipe_id(recipe)
+    B = recipe.block
+    codes, scales, rows, amax, _ = _wgrad_launch(t, splits, recipe, is_grad, None)
+    shape = (codes.shape[0] * (2 if rid == _NVFP4 else 1), t.shape[1])
     if rid == _NVFP4:
         return QuantizedTensor(
             codes=codes, scales=scales.view(torch.float8_e4m3fn), shape=shape, axis=0, block=(B,),
@@ -584,3 +701,142 @@ def quantize_wgrad(t: Tensor, splits: Tensor, recipe, is_grad: bool = False):
         codes=codes.view(torch.float8_e4m3fn), scales=scales, shape=shape, axis=0, block=(B,),
         _dequantize=fp8_block._dequantize_rows, rows=rows,
     )  # fmt: skip
+
+
+def _check_wgrad(t: Tensor, splits: Tensor) -> None:
+    _check(t, "t")
+    if t.ndim != 2:
+        raise ValueError(f"t: expected a (T, K) operand, got shape {tuple(t.shape)}")
+    if splits.device != t.device:
+        raise TypeError(f"splits: expected a tensor on {t.device}, got {splits.device}")
+
+
+# --- quantize-dequantize to exact values (the emulated recipes' GEMM operands) ---------------------------
+#
+# mxfp8 and nvfp4 have no tensor-core instruction on Hopper, and fp8_block's weight-gradient GEMMs run
+# unscaled: each operand becomes its dequantized values code·block_scale, written once by the same
+# kernels in x's own layout, and a bf16 grouped GEMM multiplies them exactly (fp32 accumulation).
+# nvfp4's per-tensor 1/S_enc is not folded in: it comes back as ``factor`` for the GEMM to apply to
+# its fp32 accumulator; the reference dequantizes (code·s)·(1/S_enc) left to right, so
+# ``values.float() * factor`` is that reference bit for bit.
+#
+# Which dtype holds the values exactly (``exact_dtype``):
+#   nvfp4       e2m1 × e4m3: ≤ 6 significant bits in [2^-10, 2688]: bf16 and fp16, any source.
+#   mxfp8, fp8_block (pow2_scales=True)
+#               code × 2^(−k): 4 significant bits, lowest bit 2^(−9−k). bf16's grid ends at 2^-133
+#               (its smallest subnormal), so bf16 holds every value of a block whose scale 2^k is at
+#               most 2^124: block amax > 448·2^-125 = 1.75·2^-117 ≈ 1.0532429e-35 (fp32 0x05600000;
+#               for both recipes, measured: at that amax mxfp8's exponent is 2 and fp8_block's scale
+#               2^125, one fp32 ulp above it 3 and 2^124), or amax 0 / Inf (NaN is ignored).
+#               Below it a code finer than 2^-133 appears (2^-134 = 2^-9·2^-125, exact in fp32).
+#               A bf16 or fp16 source never gets there: its elements are multiples of 2^-133, and a
+#               power-of-two scale either keeps a value on a grid at least that coarse or leaves it
+#               as the source element itself. So bf16 for bf16/fp16 sources, fp32 for fp32 ones
+#               (exact in fp32: 2^-136 ≥ fp32's 2^-149). fp16 is too narrow (448·2^k passes 65504).
+#   fp8_block (pow2_scales=False)
+#               code × fp32(1/scale): up to 4 + 24 significant bits, rounded once in fp32 as the
+#               reference rounds it: fp32 only.
+
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def exact_dtype(recipe, src_dtype: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """The narrowest of bf16 / fp32 that holds every dequantized value of ``recipe`` exactly for a
+    source of ``src_dtype`` (the table above): bf16 for nvfp4; bf16 for mxfp8 and fp8_block with
+    power-of-two scales from a bf16/fp16 source, fp32 from an fp32 one; fp32 for fp8_block with
+    pow2_scales=False."""
+    rid = _recipe_id(recipe)
+    if rid == _NVFP4:
+        return torch.bfloat16
+    if rid == _FP8_BLOCK and not recipe.pow2_scales:
+        return torch.float32
+    return torch.bfloat16 if src_dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def _check_out_dtype(recipe, src_dtype: torch.dtype, out_dtype) -> None:
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+    rid = _recipe_id(recipe)
+    if out_dtype == torch.float32 or (rid == _NVFP4 and out_dtype == torch.float16):
+        return
+    if out_dtype == torch.bfloat16 and exact_dtype(recipe, src_dtype) == torch.bfloat16:
+        return
+    if rid == _FP8_BLOCK and not recipe.pow2_scales:
+        why = "code·(1/scale) has up to 28 significant bits without power-of-two scales"
+    elif out_dtype == torch.float16:
+        why = "the values reach 448·2^k, far outside fp16's range"
+    else:
+        why = (
+            f"from a {src_dtype} source, a block with amax ≤ 1.75·2^-117 (≈1.05e-35) has values on a grid "
+            "finer than bf16's smallest subnormal 2^-133"
+        )
+    raise ValueError(
+        f"out_dtype: {out_dtype} cannot hold {recipe.key}'s dequantized values exactly ({why}); "
+        f"use out_dtype={exact_dtype(recipe, src_dtype)} (exact_dtype(recipe, src_dtype))"
+    )
+
+
+def _factor(rid: int, device) -> Tensor | None:
+    """nvfp4: the 0-d fp32 that the kernel fills with 1/S_enc; None for the other recipes."""
+    return torch.empty((), dtype=torch.float32, device=device) if rid == _NVFP4 else None
+
+
+def dequantized(x: Tensor, recipe, axis: int = -1, out_dtype: torch.dtype = torch.bfloat16):
+    """(values, factor): x quantized with 1-D blocks along ``axis`` (-1 or -2) and dequantized to
+    code·block_scale in ``out_dtype``, x's shape; ``factor`` the 0-d fp32 1/S_enc (nvfp4) or None.
+    ``values.float() * factor`` (or ``values.float()``) is ``recipe.qdq(x, axis)`` bit for bit.
+    One pass over x (nvfp4: after the tensor amax pass); no host read."""
+    _check(x, "x")
+    rowwise = _block_axis(x, axis)
+    rid = _recipe_id(recipe)
+    _check_out_dtype(recipe, x.dtype, out_dtype)
+    M, K = x.shape[-2:]
+    values = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    factor = _factor(rid, x.device)
+    amax = tensor_amax(x) if rid == _NVFP4 else x  # x: a placeholder, read by nvfp4 only
+    grid, bm, bk = _block_grid(x, rid, recipe.block, rowwise)
+    if x.numel():
+        _quantize_kernel[grid](
+            x, values, factor if factor is not None else values, amax, M, K,
+            RECIPE=rid, AXIS=_ROWWISE if rowwise else _COLWISE, BM=bm, BK=bk,
+            POW2=bool(getattr(recipe, "pow2_scales", False)), VMAX=_vmax(x.dtype), DEQUANT=True,
+        )  # fmt: skip
+    elif factor is not None:
+        factor.fill_(1.0)  # no elements: amax 0, S_enc 1
+    return values, factor
+
+
+def dequantized_weight(w: Tensor, recipe, dim: int = -1, out_dtype: torch.dtype = torch.bfloat16):
+    """(values, factor) of expert weights (…, A, B): fp8_block 128×128 tiles over the last two dims
+    (``dim`` checked, then ignored: one quantization serves both orientations); the others 1-D blocks
+    along ``dim`` (-1 or -2), nvfp4 with one S_enc for the whole tensor. Matches
+    ``recipe.qdq_weight(w, dim)`` as ``dequantized`` matches ``qdq``."""
+    _check(w, "w")
+    _block_axis(w, dim, "dim")
+    if _recipe_id(recipe) != _FP8_BLOCK:
+        return dequantized(w, recipe, axis=dim, out_dtype=out_dtype)
+    _check_out_dtype(recipe, w.dtype, out_dtype)
+    M, K = w.shape[-2:]
+    batch = w.numel() // max(M * K, 1)
+    values = torch.empty(w.shape, dtype=out_dtype, device=w.device)
+    if w.numel():
+        grid = (triton.cdiv(M, 128), triton.cdiv(K, 128), batch)
+        _quantize_kernel[grid](
+            w, values, values, w, M, K, RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128,
+            POW2=bool(recipe.pow2_scales), VMAX=_vmax(w.dtype), DEQUANT=True,
+        )  # fmt: skip
+    return values, None
+
+
+def dequantized_wgrad(
+    t: Tensor, splits: Tensor, recipe, is_grad: bool = False, out_dtype: torch.dtype = torch.bfloat16
+):
+    """(values, factor) of a (T, K) weight-gradient operand: blocks along rows restarting at each
+    expert's first row (nvfp4: Hadamard rotation and, for ``is_grad``, stochastic rounding as the
+    recipe says), dequantized back into t's row layout; rows past Σsplits are 0. Matches the
+    corresponding operand of ``recipe.qdq_wgrad(grad, act, splits)`` (grad: is_grad=True)."""
+    _check_wgrad(t, splits)
+    _check_out_dtype(recipe, t.dtype, out_dtype)
+    values = torch.empty(t.shape, dtype=out_dtype, device=t.device)
+    _, _, _, _, factor = _wgrad_launch(t, splits, recipe, is_grad, values)
+    return values, factor
