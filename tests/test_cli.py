@@ -28,3 +28,14 @@ def test_precision_cpu(tmp_path, capsys):
     assert float(rows["torch"]["dprobs"]) > 1e-4
     assert rows["moemlp"]["dprobs_dtype"] == "float32"
     assert "contract: moemlp dprobs" in capsys.readouterr().out
+
+
+def test_bench_recipes_cpu(tmp_path, capsys):
+    assert main(["bench", "--recipes", "--device", "cpu", "--backend", "torch", "--out", str(tmp_path),
+                 "--rep-ms", "20"]) == 0
+    (r,) = list(csv.DictReader(open(tmp_path / "bench_recipes.csv")))
+    assert r["shape"] == "cpu-small" and float(r["bf16_fwdbwd_ms"]) > 0
+    for name, floor in (("fp8_block", 20.0), ("mxfp8", 20.0), ("nvfp4", 8.0)):
+        assert float(r[f"{name}_fwdbwd_ms"]) > 0 and float(r[f"{name}_speedup_fwdbwd"]) > 0
+        assert float(r[f"{name}_snr_db"]) >= floor, (name, r[f"{name}_snr_db"])
+    assert "fp8_block_speedup_fwdbwd" in capsys.readouterr().out

@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="time moemlp against the unfused torch composition")
     b.add_argument("--shape", action="append", help="a model shape (repeatable); default: all for the device")
     b.add_argument("--moe", action="store_true", help="benchmark the whole MoE layer instead")
+    b.add_argument("--recipes", action="store_true", help="fp8_block, mxfp8 and nvfp4 beside the bf16 path")
     p = sub.add_parser("precision", help="relative errors vs float64: the probability contract")
     p.add_argument("--shape", action="append", help="a model shape; default: the device's first")
     for sp in (b, p):
@@ -47,6 +48,11 @@ def main(argv=None) -> int:
             from .bench.moe import run_moe_bench
 
             run_moe_bench(args)
+            return 0
+        if args.recipes:
+            from .bench.recipes import run_recipe_bench
+
+            run_recipe_bench(_shapes(args.shape, device), device, args.backend, args.out, args.rep_ms)
             return 0
         from .bench.mlp import run_bench
 

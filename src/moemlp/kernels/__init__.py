@@ -8,6 +8,11 @@ Forward, two launches:   FC1 (x @ W1ᵀ, epilogue: bias, act, ·p → h, z)   FC
 Backward, up to six:     FC2_DGRAD (dy @ W2, epilogue: dprobs partials, g_h, round(z))
                          dprobs reduce    FC1_DGRAD (g_h @ W1 → dx)
                          wgrad dW2 (+ db2)    wgrad dW1 (+ db1)    [db2 alone when dW2 is not needed]
+
+Under a recipe (SPEC §3) the same launches take quantized operands (_operands.py: fp8_block natively
+on FP8 tensor cores, mxfp8 / nvfp4 as exact emulation on bf16 values), plus the quantizer passes:
+FC1 stores z in fp32 and FC2_DGRAD stores g_h in fp32, the unrounded values the recipe quantizes
+(as reference.py), and the biases' gradients come from unquantized operands.
 """
 
 from __future__ import annotations
@@ -46,12 +51,8 @@ def is_available(device) -> bool:
 
 
 def _check_recipe(cfg) -> None:
-    if cfg.recipe is not None:
-        raise ValueError(
-            "recipe: the triton backend runs recipe=None only for now, got "
-            f"{getattr(cfg.recipe, 'key', cfg.recipe)!r}; "
-            "use backend='torch' for block-scaled recipes"
-        )
+    if not supports_recipe(cfg.recipe):
+        raise ValueError(f"recipe: the triton backend has no implementation of {cfg.recipe!r}")
 
 
 def _check_contiguous(**tensors: Optional[Tensor]) -> None:
@@ -76,27 +77,118 @@ def grouped_mlp_fwd(
     from . import _grouped_gemm as gg
 
     _check_recipe(cfg)
-    _check_contiguous(x=x, splits=splits, probs=probs, fc1_weight=fc1_weight, fc2_weight=fc2_weight,
-                      fc1_bias=fc1_bias, fc2_bias=fc2_bias)
+    _check_contiguous(
+        x=x,
+        splits=splits,
+        probs=probs,
+        fc1_weight=fc1_weight,
+        fc2_weight=fc2_weight,
+        fc1_bias=fc1_bias,
+        fc2_bias=fc2_bias,
+    )
     M, H = x.shape
     E, N1, _ = fc1_weight.shape
     F = fc2_weight.shape[2]
+    r = cfg.recipe
     h = torch.empty((M, N1), dtype=x.dtype, device=x.device)
-    z = torch.empty((M, F), dtype=x.dtype, device=x.device)  # round(a·p), FC2's input, freed on return
+    # round(a·p), FC2's input, freed on return; fp32 under a recipe, which quantizes the unrounded z
+    z = torch.empty((M, F), dtype=x.dtype if r is None else torch.float32, device=x.device)
     y = torch.empty((M, H), dtype=x.dtype, device=x.device)
     # FC1: B[e] = W1[e]ᵀ, element (n, k) = W1[e, n, k].
-    gg.launch_grouped_gemm(
-        gg.FC1.value, x, fc1_weight, (N1 * H, H, 1), splits, probs, fc1_bias, h, z, None, None,
-        N=F, K=H, N1=N1, cfg=cfg, scale_bias=False, store_z=True, store_partial=False,
-        config=gg.default_config("fc1", F, H, cfg.glu, x.element_size()),
+    _gemm(
+        gg.FC1.value,
+        x,
+        fc1_weight,
+        (N1 * H, H, 1),
+        "forward",
+        splits,
+        probs,
+        fc1_bias,
+        h,
+        z,
+        None,
+        None,
+        N=F,
+        K=H,
+        N1=N1,
+        cfg=cfg,
+        scale_bias=False,
+        store_z=True,
+        store_partial=False,
+        kind="fc1",
     )
     # FC2: B[e] = W2[e]ᵀ, element (n, k) = W2[e, n, k], n over H, k over F.
-    gg.launch_grouped_gemm(
-        gg.FC2.value, z, fc2_weight, (H * F, F, 1), splits, probs, fc2_bias, y, None, None, None,
-        N=H, K=F, N1=N1, cfg=cfg, scale_bias=cfg.scale_fc2_bias, store_z=False, store_partial=False,
-        config=gg.default_config("fc2", H, F, cfg.glu, x.element_size()),
+    _gemm(
+        gg.FC2.value,
+        z,
+        fc2_weight,
+        (H * F, F, 1),
+        "forward",
+        splits,
+        probs,
+        fc2_bias,
+        y,
+        None,
+        None,
+        None,
+        N=H,
+        K=F,
+        N1=N1,
+        cfg=cfg,
+        scale_bias=cfg.scale_fc2_bias,
+        store_z=False,
+        store_partial=False,
+        kind="fc2",
     )
     return y, h
+
+
+def _gemm(
+    epilogue,
+    a,
+    w,
+    strides,
+    orientation,
+    splits,
+    probs,
+    bias,
+    out,
+    z,
+    h,
+    partial,
+    *,
+    N,
+    K,
+    N1,
+    cfg,
+    scale_bias,
+    store_z,
+    store_partial,
+    kind,
+    weight=None,
+    config=None,
+):
+    """One grouped-GEMM launch: a @ B with B(n, k) = w[e, n, k] ("forward") or w[e, k, n] ("dgrad"),
+    strides those of w read that way; under cfg.recipe both operands quantized first (_operands.py).
+    ``weight``: an _operands.Weight of w to reuse its quantization across GEMMs."""
+    from . import _grouped_gemm as gg
+
+    r = cfg.recipe
+    extra = {}
+    if r is not None:
+        from . import _operands
+
+        a_op = _operands.act(a, r)
+        w_op = weight or _operands.Weight(w, r)
+        b_op = w_op.forward() if orientation == "forward" else w_op.dgrad()
+        a, w, strides = a_op.a, b_op.b, b_op.strides
+        extra = _operands.gemm_kwargs(a_op, b_op)
+    fp8 = "a_scales" in extra
+    gg.launch_grouped_gemm(
+        epilogue, a, w, strides, splits, probs, bias, out, z, h, partial,
+        N=N, K=K, N1=N1, cfg=cfg, scale_bias=scale_bias, store_z=store_z, store_partial=store_partial,
+        config=config or gg.default_config(kind, N, K, cfg.glu, a.element_size(), fp8=fp8), **extra,
+    )  # fmt: skip
 
 
 def grouped_fc1(
@@ -115,10 +207,27 @@ def grouped_fc1(
     E, N1, _ = fc1_weight.shape
     F = N1 // 2 if cfg.glu else N1
     h = torch.empty((M, N1), dtype=x.dtype, device=x.device)
-    gg.launch_grouped_gemm(
-        gg.FC1.value, x, fc1_weight, (N1 * H, H, 1), splits, None, fc1_bias, h, None, None, None,
-        N=F, K=H, N1=N1, cfg=cfg, scale_bias=False, store_z=False, store_partial=False,
-        config=gg.default_config("fc1", F, H, cfg.glu, x.element_size()),
+    _gemm(
+        gg.FC1.value,
+        x,
+        fc1_weight,
+        (N1 * H, H, 1),
+        "forward",
+        splits,
+        None,
+        fc1_bias,
+        h,
+        None,
+        None,
+        None,
+        N=F,
+        K=H,
+        N1=N1,
+        cfg=cfg,
+        scale_bias=False,
+        store_z=False,
+        store_partial=False,
+        kind="fc1",
     )
     return h
 
@@ -141,8 +250,17 @@ def grouped_mlp_bwd(
     from . import _grouped_gemm as gg
 
     _check_recipe(cfg)
-    _check_contiguous(dy=dy, x=x, h=h, splits=splits, probs=probs, fc1_weight=fc1_weight,
-                      fc2_weight=fc2_weight, fc1_bias=fc1_bias, fc2_bias=fc2_bias)
+    _check_contiguous(
+        dy=dy,
+        x=x,
+        h=h,
+        splits=splits,
+        probs=probs,
+        fc1_weight=fc1_weight,
+        fc2_weight=fc2_weight,
+        fc1_bias=fc1_bias,
+        fc2_bias=fc2_bias,
+    )
     need_dx, need_dprobs, need_dw1, need_dw2, need_db1, need_db2 = needs
     need_dprobs = need_dprobs and probs is not None
     need_db1 = need_db1 and fc1_bias is not None
@@ -154,18 +272,49 @@ def grouped_mlp_bwd(
     dx = dprobs = dw1 = dw2 = db1 = db2 = None
 
     need_g_h = need_dx or need_dw1 or need_db1
+    r = cfg.recipe
+    # Under a recipe g_h and z are the fp32 values the recipe quantizes (for dx, dW1 and dW2); the
+    # bias gradients and the bf16 path take them rounded to x.dtype, as the reference.
+    inter = x.dtype if r is None else torch.float32
+    w2 = w1 = None
+    if r is not None:
+        from . import _operands
+
+        w1 = _operands.Weight(fc1_weight, r)  # quantized once, for the dgrad only here
+        w2 = _operands.Weight(fc2_weight, r)
+    wgrad_config = gg.default_config("wgrad", 0, 0, cfg.glu, x.element_size())
     if need_g_h or need_dprobs or need_dw2:
         # One FC2 dgrad pass gives every consumer of g_z: dprobs partials, g_h, and round(z) for
         # dW2 (recomputed from h here rather than in the wgrad kernel's prologue).
-        dgrad_config = gg.default_config("fc2_dgrad", F, H, cfg.glu, x.element_size())
+        elem = 2 if r is not None else x.element_size()  # recipes: e4m3 codes or bf16 values
+        dgrad_config = gg.default_config("fc2_dgrad", F, H, cfg.glu, elem, fp8=_native(r))
         num_parts = _cdiv(F, dgrad_config.BN)
-        g_h = torch.empty((M, N1), dtype=x.dtype, device=device)
-        z = torch.empty((M, F), dtype=x.dtype, device=device) if need_dw2 else None
+        g_h = torch.empty((M, N1), dtype=inter, device=device)
+        z = torch.empty((M, F), dtype=inter, device=device) if need_dw2 else None
         partial = torch.empty((num_parts, M), dtype=torch.float32, device=device) if need_dprobs else None
         # g_z = dy @ W2[e]: element (n, k) = W2[e, k, n], n over F, k over H.
-        gg.launch_grouped_gemm(
-            gg.FC2_DGRAD.value, dy, fc2_weight, (H * F, 1, F), splits, probs, None, g_h, z, h, partial,
-            N=F, K=H, N1=N1, cfg=cfg, scale_bias=False, store_z=need_dw2, store_partial=need_dprobs,
+        _gemm(
+            gg.FC2_DGRAD.value,
+            dy,
+            fc2_weight,
+            (H * F, 1, F),
+            "dgrad",
+            splits,
+            probs,
+            None,
+            g_h,
+            z,
+            h,
+            partial,
+            N=F,
+            K=H,
+            N1=N1,
+            cfg=cfg,
+            scale_bias=False,
+            store_z=need_dw2,
+            store_partial=need_dprobs,
+            kind="fc2_dgrad",
+            weight=w2,
             config=dgrad_config,
         )
         if need_dprobs:
@@ -173,32 +322,63 @@ def grouped_mlp_bwd(
             gg.launch_dprobs_reduce(
                 partial, dy, fc2_bias, splits, dprobs, num_parts,
                 bias_term=cfg.scale_fc2_bias and fc2_bias is not None,
-            )
+            )  # fmt: skip
         if need_dx:
             dx = torch.empty((M, H), dtype=x.dtype, device=device)
             # dx = g_h @ W1[e]: element (n, k) = W1[e, k, n], n over H, k over N1.
-            gg.launch_grouped_gemm(
-                gg.FC1_DGRAD.value, g_h, fc1_weight, (N1 * H, 1, H), splits, None, None, dx, None, None,
-                None, N=H, K=N1, N1=N1, cfg=cfg, scale_bias=False, store_z=False, store_partial=False,
-                config=gg.default_config("fc1_dgrad", H, N1, cfg.glu, x.element_size()),
+            _gemm(
+                gg.FC1_DGRAD.value,
+                g_h,
+                fc1_weight,
+                (N1 * H, 1, H),
+                "dgrad",
+                splits,
+                None,
+                None,
+                dx,
+                None,
+                None,
+                None,
+                N=H,
+                K=N1,
+                N1=N1,
+                cfg=cfg,
+                scale_bias=False,
+                store_z=False,
+                store_partial=False,
+                kind="fc1_dgrad",
+                weight=w1,
             )
-        wgrad_config = gg.default_config("wgrad", 0, 0, cfg.glu, x.element_size())
-        if need_dw1 or need_db1:
-            # The wgrad kernel stores its fp32 accumulator in dw's dtype: fp32 costs no extra pass.
-            dw1 = torch.empty_like(fc1_weight, dtype=wgrad_dtype or fc1_weight.dtype) if need_dw1 else None
-            db1 = torch.empty_like(fc1_bias) if need_db1 else None
-            gg.launch_grouped_wgrad(g_h, x if need_dw1 else None, splits, None, dw1, db1, False, wgrad_config)
-        if need_dw2:
-            dw2 = torch.empty_like(fc2_weight, dtype=wgrad_dtype or fc2_weight.dtype)
-            db2 = torch.empty_like(fc2_bias) if need_db2 else None
-            gg.launch_grouped_wgrad(dy, z, splits, probs, dw2, db2, cfg.scale_fc2_bias, wgrad_config)
+        if r is None:
+            if need_dw1 or need_db1:
+                # The wgrad kernel stores its fp32 accumulator in dw's dtype: fp32 costs no extra pass.
+                dw1 = torch.empty_like(fc1_weight, dtype=wgrad_dtype or fc1_weight.dtype) if need_dw1 else None
+                db1 = torch.empty_like(fc1_bias) if need_db1 else None
+                gg.launch_grouped_wgrad(g_h, x if need_dw1 else None, splits, None, dw1, db1, False, wgrad_config)
+            if need_dw2:
+                dw2 = torch.empty_like(fc2_weight, dtype=wgrad_dtype or fc2_weight.dtype)
+                db2 = torch.empty_like(fc2_bias) if need_db2 else None
+                gg.launch_grouped_wgrad(dy, z, splits, probs, dw2, db2, cfg.scale_fc2_bias, wgrad_config)
+        else:
+            if need_dw1:
+                dw1 = _operands.wgrad(g_h, x, splits, r, wgrad_dtype or fc1_weight.dtype, wgrad_config)
+            if need_db1:
+                db1 = torch.empty_like(fc1_bias)
+                gg.launch_grouped_wgrad(g_h.to(x.dtype), None, splits, None, None, db1, False, wgrad_config)
+            if need_dw2:
+                dw2 = _operands.wgrad(dy, z, splits, r, wgrad_dtype or fc2_weight.dtype, wgrad_config)
     if need_db2 and db2 is None:
         db2 = torch.empty_like(fc2_bias)
-        gg.launch_grouped_wgrad(
-            dy, None, splits, probs, None, db2, cfg.scale_fc2_bias,
-            gg.default_config("wgrad", 0, 0, cfg.glu, x.element_size()),
-        )
+        gg.launch_grouped_wgrad(dy, None, splits, probs, None, db2, cfg.scale_fc2_bias, wgrad_config)
     return dx, dprobs, dw1, dw2, db1, db2
+
+
+def _native(recipe) -> bool:
+    if recipe is None:
+        return False
+    from ._operands import is_native
+
+    return is_native(recipe)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -206,5 +386,10 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def supports_recipe(recipe) -> bool:
-    """Block-scaled recipes (SPEC §3) have no Triton GEMM here yet; they run on backend='torch'."""
-    return recipe is None
+    """None and every block-scaled recipe of SPEC §3 (fp8_block natively on FP8 tensor cores, mxfp8
+    and nvfp4 as exact emulation on bf16 tensor cores)."""
+    if recipe is None:
+        return True
+    from .quantize import supports
+
+    return supports(recipe)

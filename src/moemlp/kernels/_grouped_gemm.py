@@ -793,7 +793,7 @@ class GemmConfig:
     GROUP_M: int = 8
     SUBTILE: int = 1  # epilogue column chunks, a power of two
     PROMOTE: bool | None = None  # fp32 adds of BK-deep products; None: when dprobs partials are stored
-    PREFETCH_SCALES: bool = True  # fp8_block: scales of step k+1 loaded before step k's dot
+    PREFETCH_SCALES: bool = False  # fp8_block: scales of step k+1 loaded before step k's dot (H200: no gain)
     USE_TMA: bool | None = None  # None: TMA where the operands allow it (16-byte aligned rows)
 
 

@@ -753,7 +753,7 @@ def exact_dtype(recipe, src_dtype: torch.dtype = torch.bfloat16) -> torch.dtype:
     return torch.bfloat16 if src_dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def _check_out_dtype(recipe, src_dtype: torch.dtype, out_dtype) -> None:
+def _check_out_dtype(recipe, src_dtype: torch.dtype, out_dtype, tiny_blocks_exact: bool = True) -> None:
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
     rid = _recipe_id(recipe)
@@ -761,6 +761,8 @@ def _check_out_dtype(recipe, src_dtype: torch.dtype, out_dtype) -> None:
         return
     if out_dtype == torch.bfloat16 and exact_dtype(recipe, src_dtype) == torch.bfloat16:
         return
+    if out_dtype == torch.bfloat16 and not tiny_blocks_exact and not (rid == _FP8_BLOCK and not recipe.pow2_scales):
+        return  # the caller accepts the tiny-block rounding below (see ``dequantized``)
     if rid == _FP8_BLOCK and not recipe.pow2_scales:
         why = "code·(1/scale) has up to 28 significant bits without power-of-two scales"
     elif out_dtype == torch.float16:
@@ -781,15 +783,23 @@ def _factor(rid: int, device) -> Tensor | None:
     return torch.empty((), dtype=torch.float32, device=device) if rid == _NVFP4 else None
 
 
-def dequantized(x: Tensor, recipe, axis: int = -1, out_dtype: torch.dtype = torch.bfloat16):
+def dequantized(
+    x: Tensor, recipe, axis: int = -1, out_dtype: torch.dtype = torch.bfloat16, tiny_blocks_exact: bool = True
+):
     """(values, factor): x quantized with 1-D blocks along ``axis`` (-1 or -2) and dequantized to
     code·block_scale in ``out_dtype``, x's shape; ``factor`` the 0-d fp32 1/S_enc (nvfp4) or None.
     ``values.float() * factor`` (or ``values.float()``) is ``recipe.qdq(x, axis)`` bit for bit.
-    One pass over x (nvfp4: after the tensor amax pass); no host read."""
+    One pass over x (nvfp4: after the tensor amax pass); no host read.
+
+    ``tiny_blocks_exact=False`` lets an fp32 source dequantize onto bf16 under mxfp8 and pow2
+    fp8_block: exact for every block whose amax is above 1.75·2^-117 (≈1.05e-35); in a block at or
+    below it, values finer than bf16's smallest subnormal round to its 2^-133 grid (absolute error
+    ≤ 2^-134). The Triton grouped MLP takes that for z and g_h (fp32 epilogue outputs) rather than
+    run its emulated GEMMs on fp32 operands."""
     _check(x, "x")
     rowwise = _block_axis(x, axis)
     rid = _recipe_id(recipe)
-    _check_out_dtype(recipe, x.dtype, out_dtype)
+    _check_out_dtype(recipe, x.dtype, out_dtype, tiny_blocks_exact)
     M, K = x.shape[-2:]
     values = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     factor = _factor(rid, x.device)
@@ -806,16 +816,18 @@ def dequantized(x: Tensor, recipe, axis: int = -1, out_dtype: torch.dtype = torc
     return values, factor
 
 
-def dequantized_weight(w: Tensor, recipe, dim: int = -1, out_dtype: torch.dtype = torch.bfloat16):
+def dequantized_weight(
+    w: Tensor, recipe, dim: int = -1, out_dtype: torch.dtype = torch.bfloat16, tiny_blocks_exact: bool = True
+):
     """(values, factor) of expert weights (…, A, B): fp8_block 128×128 tiles over the last two dims
     (``dim`` checked, then ignored: one quantization serves both orientations); the others 1-D blocks
     along ``dim`` (-1 or -2), nvfp4 with one S_enc for the whole tensor. Matches
-    ``recipe.qdq_weight(w, dim)`` as ``dequantized`` matches ``qdq``."""
+    ``recipe.qdq_weight(w, dim)`` as ``dequantized`` matches ``qdq``; ``tiny_blocks_exact`` as there."""
     _check(w, "w")
     _block_axis(w, dim, "dim")
     if _recipe_id(recipe) != _FP8_BLOCK:
-        return dequantized(w, recipe, axis=dim, out_dtype=out_dtype)
-    _check_out_dtype(recipe, w.dtype, out_dtype)
+        return dequantized(w, recipe, axis=dim, out_dtype=out_dtype, tiny_blocks_exact=tiny_blocks_exact)
+    _check_out_dtype(recipe, w.dtype, out_dtype, tiny_blocks_exact)
     M, K = w.shape[-2:]
     batch = w.numel() // max(M * K, 1)
     values = torch.empty(w.shape, dtype=out_dtype, device=w.device)
@@ -829,14 +841,20 @@ def dequantized_weight(w: Tensor, recipe, dim: int = -1, out_dtype: torch.dtype 
 
 
 def dequantized_wgrad(
-    t: Tensor, splits: Tensor, recipe, is_grad: bool = False, out_dtype: torch.dtype = torch.bfloat16
+    t: Tensor,
+    splits: Tensor,
+    recipe,
+    is_grad: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+    tiny_blocks_exact: bool = True,
 ):
     """(values, factor) of a (T, K) weight-gradient operand: blocks along rows restarting at each
     expert's first row (nvfp4: Hadamard rotation and, for ``is_grad``, stochastic rounding as the
     recipe says), dequantized back into t's row layout; rows past Σsplits are 0. Matches the
-    corresponding operand of ``recipe.qdq_wgrad(grad, act, splits)`` (grad: is_grad=True)."""
+    corresponding operand of ``recipe.qdq_wgrad(grad, act, splits)`` (grad: is_grad=True).
+    ``tiny_blocks_exact``: as in ``dequantized``."""
     _check_wgrad(t, splits)
-    _check_out_dtype(recipe, t.dtype, out_dtype)
+    _check_out_dtype(recipe, t.dtype, out_dtype, tiny_blocks_exact)
     values = torch.empty(t.shape, dtype=out_dtype, device=t.device)
     _, _, _, _, factor = _wgrad_launch(t, splits, recipe, is_grad, values)
     return values, factor

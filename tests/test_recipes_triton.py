@@ -1,0 +1,222 @@
+"""The Triton grouped MLP under each recipe (SPEC §3) against the torch backend's emulation of the
+same recipe (reference.py through the torch reference quantizers), and the probability contract.
+
+What must agree, and how closely:
+
+* The quantized operands are bit for bit the reference's (tests/test_quantize_triton.py and
+  tests/test_dequantized_triton.py check the quantizers); the GEMMs then differ only in fp32
+  accumulation order (fp8_block: the promoted 128-deep steps, tests/test_fp8_gemm.py and
+  test_fp8_wgrad.py bound them).
+* h (FC1's output, stored in x.dtype) therefore equals the reference's or is one bf16 ulp away.
+* Everything after a second quantization (z for FC2, g_h for dx and dW1) could flip a code where an
+  fp32 value sits on a rounding boundary of the recipe's element format; with order noise ~1e-7 of
+  the value and ulps of 2^-4 (e4m3) or 2^-2 (e2m1) that is rare. Each output's relative RMS
+  difference to the reference is bounded by ORDER_RTOL, three orders under the recipe's own error
+  (fp8: ~3e-2, nvfp4: ~0.2 relative RMS against the unquantized float64 result).
+* dprobs keep the contract under every recipe: fp32 in fp32 out, no conversion op, bitwise
+  repeatable; and within 1e-5 of the reference's dprobs on the same stored h.
+
+On a CPU-only machine the cases run under TRITON_INTERPRET=1 in a child pytest (tests/_triton_env.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _triton_env
+from _cases import ConversionRecorder
+from moemlp import kernels as K
+from moemlp import reference as R
+from moemlp._config import MLPConfig
+from moemlp.recipes import from_key
+from test_triton_backend import GRADS, make
+
+interpreted = pytest.mark.skipif(
+    not _triton_env.RUN_CPU_CASES,
+    reason="CPU cases: run under TRITON_INTERPRET=1 in the child of test_cpu_cases_under_interpreter",
+)
+
+RECIPES = [
+    "fp8_block:pow2_scales=1",
+    "fp8_block:pow2_scales=0",
+    "mxfp8",
+    "nvfp4:hadamard=0,stochastic_rounding=0",
+    "nvfp4:hadamard=1,stochastic_rounding=1",
+]
+
+# Relative RMS difference to the torch emulation of the same recipe. Measured on the CPU cases below
+# (2026-11-30): 0 to 3e-7 where no code flipped (fp32 order noise); 2.5e-5 on dW1 under fp8_block
+# with pow2_scales=False, where a block scale 448/amax follows every ulp of noise in its amax and one
+# e4m3 code of g_h moved. A wrong scale, row or expert costs ≥ 1e-2. On Hopper the fp8_block partial
+# sums keep ~14 bits (rel RMS 1.3e-4 per GEMM against an exact-fp32 emulation, H200 2026-11-30).
+ORDER_RTOL = {"cpu": 1e-3, "cuda": 2e-3}
+STOCHASTIC_DB = 1.0
+
+
+@pytest.mark.skipif(not _triton_env.START_CHILD, reason="runs the CPU cases in a child on a CPU-only machine")
+def test_cpu_cases_under_interpreter():
+    _triton_env.run_file_interpreted(__file__)
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def with_recipe(cfg, key):
+    return MLPConfig(cfg.activation, cfg.activation_params, cfg.glu_interleave, cfg.scale_fc2_bias, from_key(key))
+
+
+def compare(t, cfg, device):
+    """Triton and torch backends on one problem; asserts the module docstring's agreement and
+    returns the measured relative differences."""
+    bias = t["fc1_bias"] is not None
+    needs = (True, t["probs"] is not None, True, True, bias, bias)
+    args = (t["splits"], t["probs"], t["fc1_weight"], t["fc2_weight"], t["fc1_bias"], t["fc2_bias"])
+    y, h = K.grouped_mlp_fwd(t["x"], *args, cfg)
+    y_r, h_r = R.grouped_mlp_fwd(t["x"], *args, cfg)
+    assert h.dtype == h_r.dtype and y.dtype == y_r.dtype
+    # h: the same quantized operands, fp32 sums in another order, one rounding to x.dtype
+    ulp = torch.finfo(h.dtype).eps
+    assert ((h.double() - h_r.double()).abs() <= ulp * h_r.double().abs() + 1e-30).all(), "h"
+    grads = K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, needs)
+    grads_r = R.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, needs)  # on the backend's own h
+    rels = {"y": _rel(y, y_r)}
+    for name, a, b in zip(GRADS, grads, grads_r):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.isfinite(a).all(), name
+        rels[name] = _rel(a, b)
+    limit = ORDER_RTOL[device]
+    stochastic = getattr(cfg.recipe, "stochastic_rounding", False)
+    if stochastic:
+        # Stochastic rounding draws each element's random bits from a hash of its index and value
+        # bits: g_h (an fp32 epilogue output, order noise in its last bits) draws other numbers than
+        # the reference's, so dW1 agrees in distribution only: its SNR against the unquantized
+        # float64 gradient must match the reference's within STOCHASTIC_DB.
+        cfg64 = MLPConfig(cfg.activation, cfg.activation_params, cfg.glu_interleave, cfg.scale_fc2_bias)
+        f64 = [None if v is None else v.double() for v in args]
+        exact = R.grouped_mlp_bwd(t["dy"].double(), t["x"].double(), h.double(), *f64, cfg64, needs)[2]
+        ours_db, ref_db = _snr_db(grads[2], exact), _snr_db(grads_r[2], exact)
+        assert abs(ours_db - ref_db) <= STOCHASTIC_DB, (ours_db, ref_db)
+        rels.pop("dw1")
+    bad = {k: v for k, v in rels.items() if v > (1e-5 if k == "dprobs" else limit)}
+    assert not bad, (bad, rels)
+    return rels, grads
+
+
+def _snr_db(a, ref):
+    a, ref = a.double(), ref.double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (a - ref).pow(2).sum()))
+
+
+@interpreted
+@pytest.mark.parametrize("key", RECIPES)
+def test_cpu_matches_torch_emulation(key):
+    # H = 160: e4m3 code rows 16-byte aligned (TMA); F = 48: FC2's reduction is one partial 128-block;
+    # an empty expert, capacity rows, biases with fc2 bias scaled by probs
+    t, cfg = make((20, 0, 17, 23), 160, 48, M=70, scale_fc2_bias=True)
+    rels, _ = compare(t, with_recipe(cfg, key), "cpu")
+    print(key, {k: f"{v:.1e}" for k, v in rels.items()})
+
+
+@interpreted
+@pytest.mark.parametrize("key", ["fp8_block:pow2_scales=1", "mxfp8"])
+def test_cpu_odd_sizes_unary_activation_fp32(key):
+    # H = 72: fp8 codes take the masked-pointer mainloop; gelu (no GLU); fp32 compute and no probs
+    t, cfg = make((9, 1, 0, 14), 72, 40, M=30, activation="gelu", dtype=torch.float32, probs_dtype=None)
+    compare(t, with_recipe(cfg, key), "cpu")
+
+
+@interpreted
+def test_cpu_interleaved_glu_fp16():
+    t, cfg = make((13, 9, 17), 128, 64, interleave=32, dtype=torch.float16, probs_dtype=torch.float16)
+    compare(t, with_recipe(cfg, "fp8_block:pow2_scales=1"), "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("key", ["fp8_block:pow2_scales=1", "nvfp4:hadamard=0,stochastic_rounding=0"])
+def test_cpu_dprobs_contract(key):
+    """fp32 probs: dprobs fp32, written by the reducing kernel (no conversion op), bitwise repeatable."""
+    t, cfg = make((15, 4, 0, 21), 128, 48, M=44)
+    cfg = with_recipe(cfg, key)
+    args = (t["splits"], t["probs"], t["fc1_weight"], t["fc2_weight"], t["fc1_bias"], t["fc2_bias"])
+    _, h = K.grouped_mlp_fwd(t["x"], *args, cfg)
+    needs = (True,) * 6
+    with ConversionRecorder(t["probs"].shape) as rec:
+        first = K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, needs)
+    assert first[1].dtype == torch.float32 and rec.conversions == [], rec.conversions
+    second = K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, needs)
+    for name, a, b in zip(GRADS, first, second):
+        assert torch.equal(a, b), f"{name} differs between two identical backward calls"
+
+
+@interpreted
+def test_cpu_recompute_fc1_and_main_grad_under_a_recipe():
+    import moemlp
+    from _cases import make_problem, run
+
+    p = make_problem([11, 0, 19], 128, 32, capacity=2, seed=3)
+    _, g_plain = run(p, backend="triton", recipe="fp8_block")
+    _, g_rec = run(p, backend="triton", recipe="fp8_block", recompute_fc1=True)
+    for name in g_plain:
+        assert torch.equal(g_plain[name], g_rec[name]), name
+    assert moemlp.kernels.supports_recipe(from_key("mxfp8"))
+
+
+def test_every_recipe_is_supported():
+    for key in RECIPES:
+        assert K.supports_recipe(from_key(key))
+    assert K.supports_recipe(None)
+    assert not K.supports_recipe(object())
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: realistic shapes (TMA everywhere, Hopper's FP8 tensor cores for fp8_block).
+
+GPU_CASES = [
+    # mixtral-like: 8 large experts, one empty; bias; fp32 probs
+    ("mixtral_like", (8, 1024, 1408, 6000, (3,), 64, {})),
+    # qwen3-like: many small experts (wgrad K loops of a few 128-blocks)
+    ("qwen3_like", (48, 1024, 384, 6000, (), 17, dict(bias=False))),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key", RECIPES)
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_matches_torch_emulation(case, key):
+    from test_triton_backend import gpu_problem
+
+    _, (E, H, F, rows, empty, cap, kw) = case
+    t, cfg = gpu_problem(E, H, F, rows, empty, cap, **kw)
+    rels, grads = compare(t, with_recipe(cfg, key), "cuda")
+    print(case[0], key, {k: f"{v:.1e}" for k, v in rels.items()})
+    again = K.grouped_mlp_bwd(
+        t["dy"],
+        t["x"],
+        K.grouped_mlp_fwd(
+            t["x"],
+            t["splits"],
+            t["probs"],
+            t["fc1_weight"],
+            t["fc2_weight"],
+            t["fc1_bias"],
+            t["fc2_bias"],
+            with_recipe(cfg, key),
+        )[1],
+        t["splits"],
+        t["probs"],
+        t["fc1_weight"],
+        t["fc2_weight"],
+        t["fc1_bias"],
+        t["fc2_bias"],
+        with_recipe(cfg, key),
+        (True,) * 6,
+    )
+    for name, a, b in zip(GRADS, grads, again):
+        if a is not None:
+            assert torch.equal(a, b), f"{name}: not bitwise repeatable"
