@@ -77,9 +77,15 @@ def compare(t, cfg, device):
     y, h = K.grouped_mlp_fwd(t["x"], *args, cfg)
     y_r, h_r = R.grouped_mlp_fwd(t["x"], *args, cfg)
     assert h.dtype == h_r.dtype and y.dtype == y_r.dtype
-    # h: the same quantized operands, fp32 sums in another order, one rounding to x.dtype
-    ulp = torch.finfo(h.dtype).eps
-    assert ((h.double() - h_r.double()).abs() <= ulp * h_r.double().abs() + 1e-30).all(), "h"
+    # h: the same quantized operands, fp32 sums in another order, one rounding to x.dtype. On the
+    # CPU (numpy's fp32 matmul) that is at most one ulp of h; on Hopper the sums are the tensor cores'
+    # (fp8_block: ~14-bit 128-deep partials; bf16: truncating fp32 adds), an error relative to
+    # |x|·|w| that a cancelling h does not bound, so there the relative RMS is checked.
+    if device == "cpu":
+        ulp = torch.finfo(h.dtype).eps
+        assert ((h.double() - h_r.double()).abs() <= ulp * h_r.double().abs() + 1e-30).all(), "h"
+    else:
+        assert _rel(h, h_r) <= ORDER_RTOL[device], ("h", _rel(h, h_r))
     grads = K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, needs)
     grads_r = R.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, needs)  # on the backend's own h
     rels = {"y": _rel(y, y_r)}
