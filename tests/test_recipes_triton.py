@@ -50,7 +50,21 @@ RECIPES = [
 # with pow2_scales=False, where a block scale 448/amax follows every ulp of noise in its amax and one
 # e4m3 code of g_h moved. A wrong scale, row or expert costs ≥ 1e-2. On Hopper the fp8_block partial
 # sums keep ~14 bits (rel RMS 1.3e-4 per GEMM against an exact-fp32 emulation, H200 2026-11-30).
-ORDER_RTOL = {"cpu": 1e-3, "cuda": 2e-3}
+#
+# fp8_block on Hopper is looser for a reason of its own: the FP8 partial sums (rel RMS 1.3e-4 against
+# the exact-fp32 emulation) move z and g_h across e4m3 rounding boundaries (code spacing 2^-3..2^-4
+# of the value) with probability ~1.3e-4 / 0.09 ≈ 1.4e-3 per element, each a full code step, so the
+# outputs after the second quantization differ by ~sqrt(1.4e-3)·0.09 ≈ 3.4e-3 relative RMS. The
+# bound takes 3x that (1e-2), still 6x under the recipe's own error against float64 (23.7 dB: 6.5e-2).
+# The emulated recipes run on bf16 tensor cores (exact products, fp32 sums): measured on the H200
+# (2026-11-30) 1.6e-5..5.4e-4 (nvfp4's 2^-1 code steps make its rare flips larger).
+ORDER_RTOL = {"cpu": 1e-3, "cuda": 2e-3, "cuda-fp8": 1e-2}
+# dprobs = Σ g_z·a with g_z from the FC2-dgrad GEMM: fp32-level (SPEC §1's 1e-5) wherever the GEMM
+# sums in fp32 (the CPU, the emulated recipes on bf16 tensor cores: 1.3e-7..5.6e-7 on the H200). Under
+# fp8_block on Hopper g_z carries the FP8 tensor cores' 128-deep partial sums (~14 bits): dprobs was
+# 1.27e-4 and 1.29e-4 from the exact-fp32 emulation on mixtral_like (H200, 2026-11-30), against a
+# recipe error of ~3e-2 from float64. Bound: 4x the measurement.
+DPROBS_RTOL = {False: 1e-5, True: 5e-4}
 STOCHASTIC_DB = 1.0
 
 
@@ -85,7 +99,7 @@ def compare(t, cfg, device):
         ulp = torch.finfo(h.dtype).eps
         assert ((h.double() - h_r.double()).abs() <= ulp * h_r.double().abs() + 1e-30).all(), "h"
     else:
-        assert _rel(h, h_r) <= ORDER_RTOL[device], ("h", _rel(h, h_r))
+        assert _rel(h, h_r) <= ORDER_RTOL["cuda"], ("h", _rel(h, h_r))  # one GEMM, no flipped code
     grads = K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, needs)
     grads_r = R.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, needs)  # on the backend's own h
     rels = {"y": _rel(y, y_r)}
@@ -96,7 +110,8 @@ def compare(t, cfg, device):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.isfinite(a).all(), name
         rels[name] = _rel(a, b)
-    limit = ORDER_RTOL[device]
+    fp8_gpu = device == "cuda" and cfg.recipe.name == "fp8_block"
+    limit = ORDER_RTOL["cuda-fp8" if fp8_gpu else device]
     stochastic = getattr(cfg.recipe, "stochastic_rounding", False)
     if stochastic:
         # Stochastic rounding draws each element's random bits from a hash of its index and value
@@ -109,7 +124,7 @@ def compare(t, cfg, device):
         ours_db, ref_db = _snr_db(grads[2], exact), _snr_db(grads_r[2], exact)
         assert abs(ours_db - ref_db) <= STOCHASTIC_DB, (ours_db, ref_db)
         rels.pop("dw1")
-    bad = {k: v for k, v in rels.items() if v > (1e-5 if k == "dprobs" else limit)}
+    bad = {k: v for k, v in rels.items() if v > (DPROBS_RTOL[fp8_gpu] if k == "dprobs" else limit)}
     assert not bad, (bad, rels)
     return rels, grads
 

@@ -585,6 +585,11 @@ def nvfp4_scale_from_amax(amax: Tensor) -> Tensor:
     return _formats.nvfp4_tensor_scale(amax)
 
 
+# A 128×128 tile per program holds 16k fp32 values: at 4 warps 128 per thread, and the H200 ran the
+# mixtral W1 pass at 879 GB/s (3.21 ms); 8 warps 1054 GB/s, 16 warps 1580 GB/s (1.78 ms), 2026-11-30.
+_TILE_WARPS = 16
+
+
 def quantize_weight(w: Tensor, recipe):
     """fp8_block: 128×128 tiles over the last two dims; mxfp8, nvfp4: blocks along the last dim."""
     from ..recipes import QuantizedTensor, fp8_block
@@ -601,7 +606,7 @@ def quantize_weight(w: Tensor, recipe):
         grid = (triton.cdiv(M, 128), triton.cdiv(K, 128), batch)
         _quantize_kernel[grid](
             w, codes, scales, scales, M, K, RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128,
-            POW2=bool(recipe.pow2_scales), VMAX=_vmax(w.dtype), DEQUANT=False,
+            POW2=bool(recipe.pow2_scales), VMAX=_vmax(w.dtype), DEQUANT=False, num_warps=_TILE_WARPS,
         )  # fmt: skip
     return QuantizedTensor(
         codes=codes.view(torch.float8_e4m3fn), scales=scales, shape=tuple(w.shape), axis=-1,
@@ -837,7 +842,7 @@ def dequantized_weight(
         grid = (triton.cdiv(M, 128), triton.cdiv(K, 128), batch)
         _quantize_kernel[grid](
             w, values, values, w, M, K, RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128,
-            POW2=bool(recipe.pow2_scales), VMAX=_vmax(w.dtype), DEQUANT=True,
+            POW2=bool(recipe.pow2_scales), VMAX=_vmax(w.dtype), DEQUANT=True, num_warps=_TILE_WARPS,
         )  # fmt: skip
     return values, None
 
