@@ -63,7 +63,7 @@ def main():
         grid = ((R_ + 127) // 128, (C_ + 127) // 128, E)
 
         def tiles(nw=nw, codes=codes, scales=scales, grid=grid, R_=R_, C_=C_):
-            kq._quantize_kernel[grid](w1, codes, scales, scales, R_, C_, RECIPE=0, AXIS=2, BM=128, BK=128,
+            kq._quantize_kernel[grid](w1, codes, scales, scales, R_, C_, codes, STORE_T=False, RECIPE=0, AXIS=2, BM=128, BK=128,
                                       POW2=True, VMAX=float(torch.finfo(torch.bfloat16).max), DEQUANT=False,
                                       num_warps=nw)
 
@@ -72,16 +72,24 @@ def main():
         except Exception as ex:  # a launch option the installed triton refuses
             print(f"  tile quantizer w1, {nw} warps: {type(ex).__name__}: {str(ex)[:120]}")
     qw1 = kq.quantize_weight(w1, fp8)
-    row("fp8 K-major copy of w1 codes", bench(lambda: qw1.codes.transpose(1, 2).contiguous()), w1.numel() * 2 * gb)
+    row("fp8 K-major copy of w1 codes (torch)", bench(lambda: qw1.codes.transpose(1, 2).contiguous()),
+        w1.numel() * 2 * gb)
+    row("fp8 quantize_weight(w1, transposed=True)", bench(lambda: kq.quantize_weight(w1, fp8, transposed=True)),
+        w1.numel() * 4 * gb)
     row("fp8 quantize_wgrad(x)", bench(lambda: kq.quantize_wgrad(x, splits, fp8)), x.numel() * 3 * gb)
     row("fp8 quantize_wgrad(g_h fp32)", bench(lambda: kq.quantize_wgrad(g_h, splits, fp8, True)), g_h.numel() * 5 * gb)
+    row("fp8 quantize_wgrad(g_h fp32, transposed=True)",
+        bench(lambda: kq.quantize_wgrad(g_h, splits, fp8, True, transposed=True)), g_h.numel() * 6 * gb)
     qx = kq.quantize(x, fp8, -1)
     row("fp8 FC1 GEMM (plain epilogue)", bench(lambda: fp8_block_grouped_gemm(qx, qw1, splits, torch.bfloat16)))
     offs = torch.cumsum(splits, 0).to(torch.int32)
     row("bf16 FC1 GEMM torch._grouped_mm", bench(lambda: torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)))
     gq = kq.quantize_wgrad(g_h, splits, fp8, True)
     xq = kq.quantize_wgrad(x, splits, fp8)
-    row("fp8 wgrad dW1 (incl. code transposes)", bench(lambda: fp8_block_grouped_wgrad(gq, xq, splits)))
+    row("fp8 wgrad dW1 (incl. torch code transposes)", bench(lambda: fp8_block_grouped_wgrad(gq, xq, splits)))
+    gq_t = kq.quantize_wgrad(g_h, splits, fp8, True, transposed=True)
+    xq_t = kq.quantize_wgrad(x, splits, fp8, transposed=True)
+    row("fp8 wgrad dW1 (quantizers' transposed codes)", bench(lambda: fp8_block_grouped_wgrad(gq_t, xq_t, splits)))
     g_bf = g_h.bfloat16()
     dw = torch.empty(E, 2 * F, H, device="cuda", dtype=torch.bfloat16)
     cfg = gg.default_config("wgrad", 0, 0, True)

@@ -98,6 +98,12 @@ def check_quantizers_match_torch(device: str, big: bool = False) -> None:
                 what = f"{key} {dtype} {tuple(x.shape)} weight"
                 _same(a.codes, b.codes, what + " codes")
                 _same(a.scales, b.scales, what + " scales")
+                if r.name == "fp8_block":  # the dgrad's K-major copy, stored by the same tile kernel
+                    at = kq.quantize_weight(xd, r, transposed=True)
+                    _same(at.codes, b.codes, what + " codes (transposed launch)")
+                    _same(at.scales, b.scales, what + " scales (transposed launch)")
+                    _same(at.codes_t, b.codes.transpose(-2, -1).contiguous(), what + " codes_t")
+                    assert at.codes_t.is_contiguous(), what
 
 
 def check_wgrad_matches_torch(device: str, big: bool = False) -> None:
@@ -125,6 +131,10 @@ def check_wgrad_matches_torch(device: str, big: bool = False) -> None:
                         _same(a.tensor_scale, b.tensor_scale, what + " S_enc")
                     deq = a.dequantize().cpu().nan_to_num(7.0)
                     assert torch.equal(deq, b.dequantize().nan_to_num(7.0)), what
+                    if r.name != "nvfp4":  # the fp8 wgrad GEMM's K-major operand, from the same tiles
+                        at = kq.quantize_wgrad(t.to(device), s.to(device), r, is_grad=is_grad, transposed=True)
+                        _same(at.codes, b.codes, what + " codes (transposed launch)")
+                        _same(at.codes_t, b.codes.t().contiguous(), what + " codes_t")
                 ref_g, ref_a = r.qdq_wgrad(grad, act, s)  # the contract's call is these two, dequantized
                 assert torch.equal(ref_g.nan_to_num(7.0), r.quantize_wgrad(grad, s, True).dequantize().nan_to_num(7.0))
 
@@ -161,6 +171,10 @@ def test_wgrad_quantizer_matches_torch_gpu():
 def test_launcher_rejects_bad_inputs():
     from moemlp.kernels import quantize as kq
 
+    with pytest.raises(ValueError, match="transposed"):
+        kq.quantize_weight(torch.zeros(2, 4, 6), recipe("mxfp8"), transposed=True)
+    with pytest.raises(ValueError, match="transposed"):
+        kq.quantize_wgrad(torch.zeros(4, 6), torch.tensor([4]), recipe("nvfp4"), transposed=True)
     r = recipe("mxfp8")
     with pytest.raises(TypeError, match="x"):
         kq.quantize(torch.zeros(4, 4, dtype=torch.float64), r)

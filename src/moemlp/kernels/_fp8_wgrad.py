@@ -25,11 +25,11 @@ default) the scale product is exact. A padding row's codes are 0 in both operand
 
 Operand layout. Hopper's FP8 wgmma takes both operands K-major in shared memory (the reduction dim
 contiguous); the quantizer writes (P, N) and (P, K) codes, rows = the reduction dim. The launcher
-therefore transposes the codes with torch (``codes.t().contiguous()``) to Gᵀ (N, P) and Xᵀ (K, P):
-one byte per element read and written, 2·(N + K)·P bytes of traffic, e.g. 1.1 GB for mixtral's dW1
-at 16k rows (N = 28672, K = 4096), ~0.3 ms at the H200's ~4 TB/s next to a ~4-5 ms GEMM. The next
-step is to fuse that transposed store into quantize_wgrad (the quantizer holds each 128-row block in
-registers already, so it can store it as 128-byte rows of the transpose). The scales stay (P/128, ·), read with
+takes Gᵀ (N, P) and Xᵀ (K, P): the quantizer's transposed store (``quantize_wgrad(...,
+transposed=True)``, ``QuantizedTensor.codes_t``) where it made one, else (the paragraph below) a torch
+transpose in the launcher (``codes.t().contiguous()``), one more pass: 2·(N + K)·P bytes read and
+written (1.1 GB for mixtral's dW1 at 16k rows; the H200 ran torch's fp8 transposes at ~323 GB/s,
+2026-11-30, so ~3 ms). The scales stay (P/128, ·), read with
 their own strides: row-major (the Triton quantizer's) gives one coalesced (BN,) and one (BK,) vector
 per step; the torch quantizer's column-major view is read as it is (strided, correct, slower).
 
@@ -39,10 +39,12 @@ K loop is its own block count (1-4 steps for a small expert, ~T/(128·E) for an 
 empty one, which stores zeros), so tiles differ in cost by orders of magnitude; a static round-robin
 over a persistent grid would leave SMs idle behind the longest expert, while a plain grid lets the
 hardware block scheduler hand out the next tile to whichever SM finishes first. Within a tile the
-scale vectors of step k+1 are loaded before step k's dot: triton's pipeliner prefetches only dot
-operands, and a scale load issued in the step that uses it appears to stall the promotion (~500 ns
-per step in the forward fp8 GEMM on the H200); issued one step ahead its latency hides behind the
-MMA (the sm_90 PTX has the loads before the step's wgmma, their registers read after the next wait).
+scale vectors of step k+1 are loaded before step k's dot (the sm_90 PTX has the loads before the
+step's wgmma). That was written to hide a suspected ~500 ns scale-load stall; on the H200 the same
+prefetch in the forward fp8 GEMM changed nothing (±5%, 2026-11-30), while removing a (BN,) scale
+vector from the accumulator layout gave +30% there. Here both scales are per column of the output
+(g's per n, x's per k), so both vectors stay: H200, mixtral dW1 with the launcher's transposes,
+10.2 ms against 6.3 ms for moemlp's bf16 wgrad.
 
 Expert offsets come from ``splits`` inside the kernel (``_grouped_gemm._expert_table``, clamped:
 negative → 0 rows, a sum past T truncated at T; no host read, CUDA-graph capturable); with clamped
@@ -223,6 +225,17 @@ def _wgrad_parts(q, name: str) -> tuple[Tensor, Tensor, Tensor]:
     return codes, scales, rows
 
 
+def _k_major(q, codes: Tensor) -> Tensor:
+    """The (·, P) transposed codes: the quantizer's own (``quantize_wgrad(..., transposed=True)``)
+    when it stored them, else a torch transpose (one more pass over the codes)."""
+    codes_t = getattr(q, "codes_t", None)
+    if codes_t is None:
+        return codes.t().contiguous()
+    if codes_t.dtype != codes.dtype or tuple(codes_t.shape) != tuple(codes.shape[::-1]) or not codes_t.is_contiguous():
+        raise ValueError(f"codes_t: expected a contiguous {tuple(codes.shape[::-1])} {codes.dtype} tensor")
+    return codes_t
+
+
 def fp8_block_grouped_wgrad(
     g_q,
     x_q,
@@ -241,8 +254,9 @@ def fp8_block_grouped_wgrad(
          operands' ``rows`` are not read either: the kernel recomputes the layout from the splits.
     out_dtype: bf16, fp16 or fp32 (one rounding of the fp32 accumulator in the store).
 
-    The codes are transposed here with torch (see the module docstring: fusing the transposed store
-    into quantize_wgrad is the next step), so the call allocates (N + K)·P bytes of scratch.
+    The K-major codes come from ``q.codes_t`` when the quantizer stored them
+    (``quantize_wgrad(..., transposed=True)``), else they are transposed here with torch, which
+    allocates (N + K)·P bytes of scratch and costs a pass (module docstring).
     """
     g_codes, g_scales, g_rows = _wgrad_parts(g_q, "g_q")
     x_codes, x_scales, x_rows = _wgrad_parts(x_q, "x_q")
@@ -281,8 +295,8 @@ def fp8_block_grouped_wgrad(
         return out
     # K-major operands for wgmma: Gᵀ (N, P), Xᵀ (K, P). (T = 0: every expert has no block, so the
     # kernel reads no code and stores zeros; the quantizer leaves such codes unwritten.)
-    g_t = g_codes.t().contiguous()
-    x_t = x_codes.t().contiguous()
+    g_t = _k_major(g_q, g_codes)
+    x_t = _k_major(x_q, x_codes)
     use_tma = _tma_ok(g_t, x_t) if config.USE_TMA is None else config.USE_TMA
     if use_tma and not _tma_ok(g_t, x_t):
         raise ValueError("config: USE_TMA needs triton's TensorDescriptor and 16-byte aligned code rows")

@@ -84,15 +84,17 @@ class Weight:
         self.recipe = recipe
         self._q = None
 
-    def _quantized(self):
-        if self._q is None:
-            self._q = kq.quantize_weight(self.w, self.recipe)
+    def _quantized(self, transposed: bool):
+        """fp8_block's tiles, with the transposed codes when the dgrad asks (one quantizer pass
+        either way: the tile kernel stores both layouts)."""
+        if self._q is None or (transposed and self._q.codes_t is None):
+            self._q = kq.quantize_weight(self.w, self.recipe, transposed=transposed)
         return self._q
 
     def forward(self) -> WeightOperand:
         E, R, C = self.w.shape
         if is_native(self.recipe):
-            q = self._quantized()
+            q = self._quantized(transposed=False)
             nr, nc = q.scales.shape[1:]
             return WeightOperand(q.codes, (R * C, C, 1), q.scales, (nr * nc, nc, 1))
         values, factor = kq.dequantized_weight(
@@ -103,11 +105,10 @@ class Weight:
     def dgrad(self) -> WeightOperand:
         E, R, C = self.w.shape
         if is_native(self.recipe):
-            q = self._quantized()
+            q = self._quantized(transposed=True)
             nr, nc = q.scales.shape[1:]
-            # (E, C, R) K-major codes: one byte per element copied; the tile scales are read transposed
-            codes_t = q.codes.transpose(1, 2).contiguous()
-            return WeightOperand(codes_t, (R * C, R, 1), q.scales, (nr * nc, 1, nc))
+            # (E, C, R) K-major codes from the quantizer's transposed store; tile scales read transposed
+            return WeightOperand(q.codes_t, (R * C, R, 1), q.scales, (nr * nc, 1, nc))
         values, factor = kq.dequantized_weight(
             self.w, self.recipe, dim=-2, out_dtype=torch.bfloat16, tiny_blocks_exact=False
         )
@@ -130,8 +131,8 @@ def wgrad(g: Tensor, x: Tensor, splits: Tensor, recipe, out_dtype: torch.dtype, 
     if is_native(recipe):
         from ._fp8_wgrad import fp8_block_grouped_wgrad
 
-        gq = kq.quantize_wgrad(g, splits, recipe, is_grad=True)
-        xq = kq.quantize_wgrad(x, splits, recipe, is_grad=False)
+        gq = kq.quantize_wgrad(g, splits, recipe, is_grad=True, transposed=True)
+        xq = kq.quantize_wgrad(x, splits, recipe, is_grad=False, transposed=True)
         return fp8_block_grouped_wgrad(gq, xq, splits, out_dtype=out_dtype)
     gv, fg = kq.dequantized_wgrad(g, splits, recipe, is_grad=True, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
     xv, fx = kq.dequantized_wgrad(x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False)

@@ -245,6 +245,7 @@ def _quantize_kernel(
     amax_ptr,  # nvfp4: fp32 scalar, the NaN-ignoring amax of the whole tensor
     M,
     K,
+    codes_t_ptr,  # STORE_T: uint8 (BATCH, K, M), the codes transposed over the last two dims
     RECIPE: tl.constexpr,  # 0 fp8_block, 1 mxfp8, 2 nvfp4
     AXIS: tl.constexpr,  # 1 rowwise (blocks along K), 0 columnwise (along M), 2 128×128 tiles
     BM: tl.constexpr,  # tile rows; = the block for AXIS 0 (nvfp4: half of it, even/odd rows apart)
@@ -252,6 +253,7 @@ def _quantize_kernel(
     POW2: tl.constexpr,
     VMAX: tl.constexpr,
     DEQUANT: tl.constexpr,  # write code·block_scale in x's layout instead of codes and scales
+    STORE_T: tl.constexpr,  # also store the codes transposed (fp8_block, mxfp8)
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -339,6 +341,10 @@ def _quantize_kernel(
             tl.store(codes_ptr + batch * M * K + off, values.to(codes_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(codes_ptr + batch * M * K + off, codes.to(tl.uint8), mask=mask)
+            if STORE_T:
+                off_t = rk.to(tl.int64)[:, None] * M + rm[None, :]
+                mask_t = (rk < K)[:, None] & (rm < M)[None, :]
+                tl.store(codes_t_ptr + batch * M * K + off_t, tl.trans(codes.to(tl.uint8)), mask=mask_t)
             if AXIS == 1:
                 nb = tl.cdiv(K, BK)
                 s_off = batch * M * nb + rm.to(tl.int64)[:, None] * nb + pid_k
@@ -400,6 +406,7 @@ def _wgrad_kernel(
     amax_ptr,  # nvfp4: fp32 scalar (AMAX_ONLY: (NB, nK) partials written instead)
     T,
     K,
+    codes_t_ptr,  # STORE_T: uint8 (K, NB·B), the padded codes transposed
     RECIPE: tl.constexpr,
     B: tl.constexpr,  # rows per block: 128, 32, 16
     BK: tl.constexpr,
@@ -409,6 +416,7 @@ def _wgrad_kernel(
     STOCHASTIC: tl.constexpr,  # nvfp4: stochastic rounding (gradient operand)
     AMAX_ONLY: tl.constexpr,  # nvfp4 first pass: the amax of the (rotated) operand
     DEQUANT: tl.constexpr,  # write code·block_scale back to the source rows instead of codes and scales
+    STORE_T: tl.constexpr,  # also store the codes transposed (fp8_block, mxfp8)
 ):
     pid_b = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -465,6 +473,10 @@ def _wgrad_kernel(
         else:
             rp = pid_b.to(tl.int64) * B + r
             tl.store(codes_ptr + rp[:, None] * K + rk[None, :], codes.to(tl.uint8), mask=(rk < K)[None, :])
+            if STORE_T:
+                P = tl.num_programs(0).to(tl.int64) * B
+                tl.store(codes_t_ptr + rk.to(tl.int64)[:, None] * P + rp[None, :], tl.trans(codes.to(tl.uint8)),
+                         mask=(rk < K)[:, None])
             tl.store(scales_ptr + pid_b.to(tl.int64) * K + rk[None, :], scale_out, mask=(rk < K)[None, :])
 
 
@@ -559,7 +571,7 @@ def quantize(x: Tensor, recipe, axis: int = -1):
     grid, bm, bk = _block_grid(x, rid, block, rowwise)
     if x.numel():
         _quantize_kernel[grid](
-            x, codes, scales, amax, M, K,
+            x, codes, scales, amax, M, K, codes, STORE_T=False,
             RECIPE=rid, AXIS=_ROWWISE if rowwise else _COLWISE, BM=bm, BK=bk,
             POW2=bool(getattr(recipe, "pow2_scales", False)), VMAX=_vmax(x.dtype), DEQUANT=False,
         )  # fmt: skip
@@ -590,27 +602,35 @@ def nvfp4_scale_from_amax(amax: Tensor) -> Tensor:
 _TILE_WARPS = 16
 
 
-def quantize_weight(w: Tensor, recipe):
-    """fp8_block: 128×128 tiles over the last two dims; mxfp8, nvfp4: blocks along the last dim."""
+def quantize_weight(w: Tensor, recipe, transposed: bool = False):
+    """fp8_block: 128×128 tiles over the last two dims; mxfp8, nvfp4: blocks along the last dim.
+    ``transposed`` (fp8_block): also the codes transposed over the last two dims (``codes_t``), the
+    K-major B of the dgrad GEMM, stored from the tile instead of by a separate transpose (the H200
+    copied mixtral's W1 codes with torch at 323 GB/s, 5.8 ms, 2026-11-30)."""
     from ..recipes import QuantizedTensor, fp8_block
 
     if _recipe_id(recipe) != _FP8_BLOCK:
+        if transposed:
+            raise ValueError("transposed: only fp8_block's 128x128 tiles serve both orientations")
         return quantize(w, recipe, axis=-1)
     _check(w, "w")
     M, K = w.shape[-2:]
     batch = w.numel() // max(M * K, 1)
     lead = tuple(w.shape[:-2])
     codes = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
+    codes_t = torch.empty(lead + (K, M), dtype=torch.uint8, device=w.device) if transposed else None
     scales = torch.empty(lead + (triton.cdiv(M, 128), triton.cdiv(K, 128)), dtype=torch.float32, device=w.device)
     if w.numel():
         grid = (triton.cdiv(M, 128), triton.cdiv(K, 128), batch)
         _quantize_kernel[grid](
-            w, codes, scales, scales, M, K, RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128,
+            w, codes, scales, scales, M, K, codes_t if transposed else codes, STORE_T=transposed,
+            RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128,
             POW2=bool(recipe.pow2_scales), VMAX=_vmax(w.dtype), DEQUANT=False, num_warps=_TILE_WARPS,
         )  # fmt: skip
     return QuantizedTensor(
         codes=codes.view(torch.float8_e4m3fn), scales=scales, shape=tuple(w.shape), axis=-1,
         block=(128, 128), _dequantize=fp8_block._dequantize_tiles,
+        codes_t=codes_t.view(torch.float8_e4m3fn) if transposed else None,
     )  # fmt: skip
 
 
@@ -646,10 +666,10 @@ def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tens
     return start.contiguous(), count.to(torch.int32).contiguous(), rows, nb
 
 
-def _wgrad_launch(t: Tensor, splits: Tensor, recipe, is_grad: bool, out: Tensor | None):
+def _wgrad_launch(t: Tensor, splits: Tensor, recipe, is_grad: bool, out: Tensor | None, transposed: bool = False):
     """Both passes of a wgrad operand: nvfp4's amax pass, then the codes and scales (``out`` None) or
-    the values written into ``out`` (T, K). Returns (codes, scales, rows, amax, factor), the unused
-    ones None: factor is nvfp4's 1/S_enc for ``out``."""
+    the values written into ``out`` (T, K). Returns (codes, scales, rows, amax, factor, codes_t), the
+    unused ones None: factor is nvfp4's 1/S_enc for ``out``; codes_t the (K, P) transposed codes."""
     rid = _recipe_id(recipe)
     B = recipe.block
     T, K = t.shape
@@ -660,39 +680,54 @@ def _wgrad_launch(t: Tensor, splits: Tensor, recipe, is_grad: bool, out: Tensor 
     stochastic = rid == _NVFP4 and recipe.stochastic_rounding and is_grad
     pow2 = bool(getattr(recipe, "pow2_scales", False))
     common = dict(RECIPE=rid, B=B, BK=bk, POW2=pow2, VMAX=_vmax(t.dtype), HADAMARD=hadamard, STOCHASTIC=stochastic)
-    codes = scales = factor = None
+    codes = scales = factor = codes_t = None
     if out is None:
         scales = torch.empty((nb, K), dtype=torch.float32 if rid == _FP8_BLOCK else torch.uint8, device=t.device)
         codes = torch.empty((nb * B // (2 if rid == _NVFP4 else 1), K), dtype=torch.uint8, device=t.device)
+        if transposed:
+            codes_t = torch.empty((K, nb * B), dtype=torch.uint8, device=t.device)
     elif rid == _NVFP4:
         factor = torch.empty((), dtype=torch.float32, device=t.device)
     amax = torch.zeros((), dtype=torch.float32, device=t.device)
     if rid == _NVFP4 and t.numel():
         partial = torch.empty(grid, dtype=torch.float32, device=t.device)
         _wgrad_kernel[grid](
-            t, start, count, partial, partial, partial, T, K, AMAX_ONLY=True, DEQUANT=False, **common
+            t, start, count, partial, partial, partial, T, K, partial, AMAX_ONLY=True, DEQUANT=False, STORE_T=False,
+            **common,
         )  # fmt: skip
         amax = partial.amax()
     if t.numel():
         if out is None:
-            _wgrad_kernel[grid](t, start, count, codes, scales, amax, T, K, AMAX_ONLY=False, DEQUANT=False, **common)
+            _wgrad_kernel[grid](
+                t, start, count, codes, scales, amax, T, K, codes_t if transposed else codes, AMAX_ONLY=False,
+                DEQUANT=False, STORE_T=transposed, **common,
+            )  # fmt: skip
         else:
             s_dec = factor if factor is not None else out
-            _wgrad_kernel[grid](t, start, count, out, s_dec, amax, T, K, AMAX_ONLY=False, DEQUANT=True, **common)
+            _wgrad_kernel[grid](
+                t, start, count, out, s_dec, amax, T, K, out, AMAX_ONLY=False, DEQUANT=True, STORE_T=False, **common
+            )  # fmt: skip
     elif factor is not None:
         factor.fill_(1.0)  # no rows: amax 0, S_enc 1
-    return codes, scales, rows, amax, factor
+    elif codes_t is not None:
+        codes_t.zero_()  # no rows: every padded row is padding, code 0
+    return codes, scales, rows, amax, factor, codes_t
 
 
-def quantize_wgrad(t: Tensor, splits: Tensor, recipe, is_grad: bool = False):
+def quantize_wgrad(t: Tensor, splits: Tensor, recipe, is_grad: bool = False, transposed: bool = False):
     """A (T, K) weight-gradient operand, blocks along rows restarting at each expert's first row, in
-    the expert-aligned padded layout of ``recipe.quantize_wgrad`` (same codes, scales and rows)."""
+    the expert-aligned padded layout of ``recipe.quantize_wgrad`` (same codes, scales and rows).
+    ``transposed``: also the (K, P) transposed codes (``codes_t``; fp8_block and mxfp8), stored from
+    the quantizer's tile, for the fp8 wgrad GEMM's K-major operands."""
     from ..recipes import QuantizedTensor, fp8_block, mxfp8, nvfp4
 
     _check_wgrad(t, splits)
     rid = _recipe_id(recipe)
+    if transposed and rid == _NVFP4:
+        raise ValueError("transposed: nvfp4 codes are packed in pairs along the rows; no transposed copy")
     B = recipe.block
-    codes, scales, rows, amax, _ = _wgrad_launch(t, splits, recipe, is_grad, None)
+    codes, scales, rows, amax, _, codes_t = _wgrad_launch(t, splits, recipe, is_grad, None, transposed)
+    codes_t = codes_t.view(torch.float8_e4m3fn) if codes_t is not None else None
     shape = (codes.shape[0] * (2 if rid == _NVFP4 else 1), t.shape[1])
     if rid == _NVFP4:
         return QuantizedTensor(
@@ -702,11 +737,11 @@ def quantize_wgrad(t: Tensor, splits: Tensor, recipe, is_grad: bool = False):
     if rid == _MXFP8:
         return QuantizedTensor(
             codes=codes.view(torch.float8_e4m3fn), scales=scales.view(torch.float8_e8m0fnu), shape=shape,
-            axis=0, block=(B,), _dequantize=mxfp8._dequantize, rows=rows,
+            axis=0, block=(B,), _dequantize=mxfp8._dequantize, rows=rows, codes_t=codes_t,
         )  # fmt: skip
     return QuantizedTensor(
         codes=codes.view(torch.float8_e4m3fn), scales=scales, shape=shape, axis=0, block=(B,),
-        _dequantize=fp8_block._dequantize_rows, rows=rows,
+        _dequantize=fp8_block._dequantize_rows, rows=rows, codes_t=codes_t,
     )  # fmt: skip
 
 
@@ -814,7 +849,7 @@ def dequantized(
     grid, bm, bk = _block_grid(x, rid, recipe.block, rowwise)
     if x.numel():
         _quantize_kernel[grid](
-            x, values, factor if factor is not None else values, amax, M, K,
+            x, values, factor if factor is not None else values, amax, M, K, values, STORE_T=False,
             RECIPE=rid, AXIS=_ROWWISE if rowwise else _COLWISE, BM=bm, BK=bk,
             POW2=bool(getattr(recipe, "pow2_scales", False)), VMAX=_vmax(x.dtype), DEQUANT=True,
         )  # fmt: skip
@@ -841,7 +876,7 @@ def dequantized_weight(
     if w.numel():
         grid = (triton.cdiv(M, 128), triton.cdiv(K, 128), batch)
         _quantize_kernel[grid](
-            w, values, values, w, M, K, RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128,
+            w, values, values, w, M, K, values, STORE_T=False, RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128,
             POW2=bool(recipe.pow2_scales), VMAX=_vmax(w.dtype), DEQUANT=True, num_warps=_TILE_WARPS,
         )  # fmt: skip
     return values, None
@@ -863,5 +898,5 @@ def dequantized_wgrad(
     _check_wgrad(t, splits)
     _check_out_dtype(recipe, t.dtype, out_dtype, tiny_blocks_exact)
     values = torch.empty(t.shape, dtype=out_dtype, device=t.device)
-    _, _, _, _, factor = _wgrad_launch(t, splits, recipe, is_grad, values)
+    _, _, _, _, factor, _ = _wgrad_launch(t, splits, recipe, is_grad, values)
     return values, factor

@@ -37,6 +37,10 @@ class QuantizedTensor:
     rows:   weight-gradient operands only (``quantize_wgrad``): codes and scales then describe the
             expert-aligned padded (P, K) layout (``shape``), blocks along dim 0, and rows[t] is
             the padded row of source row t (-1 past Σsplits); ``dequantize`` returns (T, K).
+    codes_t: the same codes stored transposed over the last two dims (contiguous), when the Triton
+            quantizer was asked for them (``transposed=True``; fp8_block and mxfp8): the K-major
+            operand of a GEMM that reduces over the rows (Hopper's e4m3 wgmma reads both operands
+            K-major), written from the tile the quantizer holds instead of by a separate transpose.
     """
 
     codes: Tensor
@@ -47,6 +51,7 @@ class QuantizedTensor:
     _dequantize: Callable[[QuantizedTensor], Tensor]
     tensor_scale: Optional[Tensor] = None
     rows: Optional[Tensor] = None
+    codes_t: Optional[Tensor] = None
 
     def dequantize(self) -> Tensor:
         """fp32 tensor of the source shape."""
