@@ -63,7 +63,7 @@ def main():
         grid = ((R_ + 127) // 128, (C_ + 127) // 128, E)
 
         def tiles(nw=nw, codes=codes, scales=scales, grid=grid, R_=R_, C_=C_):
-            kq._quantize_kernel[grid](w1, codes, scales, scales, R_, C_, codes, STORE_T=False, RECIPE=0, AXIS=2, BM=128, BK=128,
+            kq._quantize_kernel[grid](w1, codes, scales, scales, R_, C_, codes, STORE_T=False, RECIPE=0, AXIS=2, BM=128, BK=128, NB=1,
                                       POW2=True, VMAX=float(torch.finfo(torch.bfloat16).max), DEQUANT=False,
                                       num_warps=nw)
 

@@ -236,6 +236,28 @@ def hash_uniform(index, value_bits):
 
 
 @triton.jit
+def _per_block_max(v, BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
+    """(BM, NB·B) → (BM, NB): the max of each row's NB consecutive blocks of B."""
+    return tl.max(tl.reshape(v, (BM, NB, B)), axis=2)
+
+
+@triton.jit
+def _per_block_spread(v, BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
+    """(BM, NB) → (BM, NB·B): each block's value over its B elements."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None], (BM, NB, B)), (BM, NB * B))
+
+
+@triton.jit
+def _spread(v, AXIS: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, BK: tl.constexpr):
+    """A per-block value over the tile: rowwise tiles hold NB blocks per row, (BM, NB) → (BM, BK);
+    columnwise (1, BK) and 128×128 (1, 1) values broadcast as they are."""
+    if AXIS == 1:
+        return _per_block_spread(v, BM, NB, BK // NB)
+    else:
+        return v
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr,  # (BATCH, M, K) bf16 / fp16 / fp32, contiguous
     codes_ptr,  # uint8: (BATCH, M, K); nvfp4 packed along the block axis: (BATCH, M, ⌈K/2⌉) or (BATCH, ⌈M/2⌉, K)
@@ -249,7 +271,8 @@ def _quantize_kernel(
     RECIPE: tl.constexpr,  # 0 fp8_block, 1 mxfp8, 2 nvfp4
     AXIS: tl.constexpr,  # 1 rowwise (blocks along K), 0 columnwise (along M), 2 128×128 tiles
     BM: tl.constexpr,  # tile rows; = the block for AXIS 0 (nvfp4: half of it, even/odd rows apart)
-    BK: tl.constexpr,  # tile cols; = the block for AXIS 1 (nvfp4: half of it)
+    BK: tl.constexpr,  # tile cols; = NB blocks for AXIS 1
+    NB: tl.constexpr,  # AXIS 1: blocks per tile row (a 128-wide tile: 1 fp8_block, 4 mxfp8, 8 nvfp4)
     POW2: tl.constexpr,
     VMAX: tl.constexpr,
     DEQUANT: tl.constexpr,  # write code·block_scale in x's layout instead of codes and scales
@@ -259,18 +282,12 @@ def _quantize_kernel(
     pid_k = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)  # int64 offsets: E·A·B passes 2^31 for large weights
     x_ptr += batch * M * K
-    if RECIPE == 2:
-        # two interleaved tiles, even and odd elements along the block axis, so codes pack in pairs
-        if AXIS == 1:
-            rm = pid_m * BM + tl.arange(0, BM)
-            rk = pid_k * (2 * BK) + 2 * tl.arange(0, BK)
-            r_step = 0
-            k_step = 1
-        else:
-            rm = pid_m * (2 * BM) + 2 * tl.arange(0, BM)
-            rk = pid_k * BK + tl.arange(0, BK)
-            r_step = 1
-            k_step = 0
+    if RECIPE == 2 and AXIS == 0:
+        # two interleaved tiles, even and odd rows, so codes pack in pairs along the block axis
+        rm = pid_m * (2 * BM) + 2 * tl.arange(0, BM)
+        rk = pid_k * BK + tl.arange(0, BK)
+        r_step = 1
+        k_step = 0
         m0 = (rm < M)[:, None] & (rk < K)[None, :]
         m1 = ((rm + r_step) < M)[:, None] & ((rk + k_step) < K)[None, :]
         off = rm.to(tl.int64)[:, None] * K + rk[None, :]
@@ -279,12 +296,8 @@ def _quantize_kernel(
         a = tl.maximum(abs_or_zero(x0), abs_or_zero(x1))
         nan = ((x0 != x0) | (x1 != x1)).to(tl.int32)
         s_enc = nvfp4_tensor_scale(tl.load(amax_ptr))
-        if AXIS == 1:
-            block_amax = tl.max(a, axis=1)[:, None]
-            has_nan = tl.max(nan, axis=1)[:, None]
-        else:
-            block_amax = tl.max(a, axis=0)[None, :]
-            has_nan = tl.max(nan, axis=0)[None, :]
+        block_amax = tl.max(a, axis=0)[None, :]
+        has_nan = tl.max(nan, axis=0)[None, :]
         s_code, inv = nvfp4_block_scale(block_amax, s_enc)
         c0 = e2m1_code(x0 * inv)
         c1 = e2m1_code(x1 * inv)
@@ -300,18 +313,40 @@ def _quantize_kernel(
             tl.store(scales_ptr, s_dec, mask=(pid_m == 0) & (pid_k == 0) & (batch == 0))
         else:
             packed = c0 | (c1 << 4)
-            if AXIS == 1:
-                kp = (K + 1) // 2
-                c_off = batch * M * kp + rm.to(tl.int64)[:, None] * kp + (rk // 2)[None, :]
-                tl.store(codes_ptr + c_off, packed.to(tl.uint8), mask=(rm < M)[:, None] & (rk < K)[None, :])
-                nb = tl.cdiv(K, 2 * BK)
-                s_off = batch * M * nb + rm.to(tl.int64)[:, None] * nb + pid_k
-                tl.store(scales_ptr + s_off, s_code.to(tl.uint8), mask=(rm < M)[:, None])
-            else:
-                c_off = batch * ((M + 1) // 2) * K + (rm // 2).to(tl.int64)[:, None] * K + rk[None, :]
-                tl.store(codes_ptr + c_off, packed.to(tl.uint8), mask=(rm < M)[:, None] & (rk < K)[None, :])
-                s_off = batch * tl.cdiv(M, 2 * BM) * K + pid_m.to(tl.int64) * K + rk[None, :]
-                tl.store(scales_ptr + s_off, s_code.to(tl.uint8), mask=(rk < K)[None, :])
+            c_off = batch * ((M + 1) // 2) * K + (rm // 2).to(tl.int64)[:, None] * K + rk[None, :]
+            tl.store(codes_ptr + c_off, packed.to(tl.uint8), mask=(rm < M)[:, None] & (rk < K)[None, :])
+            s_off = batch * tl.cdiv(M, 2 * BM) * K + pid_m.to(tl.int64) * K + rk[None, :]
+            tl.store(scales_ptr + s_off, s_code.to(tl.uint8), mask=(rk < K)[None, :])
+    elif RECIPE == 2:
+        # rowwise: NB blocks of 16 side by side in a contiguous (BM, BK) tile; codes pack in pairs
+        rm = pid_m * BM + tl.arange(0, BM)
+        rk = pid_k * BK + tl.arange(0, BK)
+        mask = (rm < M)[:, None] & (rk < K)[None, :]
+        off = rm.to(tl.int64)[:, None] * K + rk[None, :]
+        x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        s_enc = nvfp4_tensor_scale(tl.load(amax_ptr))
+        block_amax = _per_block_max(abs_or_zero(x), BM, NB, BK // NB)
+        has_nan = _per_block_max((x != x).to(tl.int32), BM, NB, BK // NB)
+        s_code, inv = nvfp4_block_scale(block_amax, s_enc)  # (BM, NB)
+        c = e2m1_code(x * _per_block_spread(inv, BM, NB, BK // NB))
+        s_code = tl.where(has_nan > 0, 0x7F, s_code)
+        if DEQUANT:
+            # code·s is exact (≤ 6 significant bits, 2^-10 … 2688); the NaN mark makes its block NaN
+            s = tl.where(has_nan > 0, float("nan"), e4m3_value(s_code))
+            values = e2m1_value(c) * _per_block_spread(s, BM, NB, BK // NB)
+            tl.store(codes_ptr + batch * M * K + off, values.to(codes_ptr.dtype.element_ty), mask=mask)
+            s_dec = tl.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)  # the reference's 1/S_enc
+            tl.store(scales_ptr, s_dec, mask=(pid_m == 0) & (pid_k == 0) & (batch == 0))
+        else:
+            c0, c1 = tl.split(tl.reshape(c, (BM, BK // 2, 2)))  # elements 2j and 2j + 1
+            kp = (K + 1) // 2
+            rj = pid_k * (BK // 2) + tl.arange(0, BK // 2)
+            c_off = batch * M * kp + rm.to(tl.int64)[:, None] * kp + rj[None, :]
+            tl.store(codes_ptr + c_off, (c0 | (c1 << 4)).to(tl.uint8), mask=(rm < M)[:, None] & (2 * rj < K)[None, :])
+            nb = tl.cdiv(K, BK // NB)
+            rb = pid_k * NB + tl.arange(0, NB)
+            s_off = batch * M * nb + rm.to(tl.int64)[:, None] * nb + rb[None, :]
+            tl.store(scales_ptr + s_off, s_code.to(tl.uint8), mask=(rm < M)[:, None] & (rb < nb)[None, :])
     else:
         rm = pid_m * BM + tl.arange(0, BM)
         rk = pid_k * BK + tl.arange(0, BK)
@@ -320,24 +355,24 @@ def _quantize_kernel(
         x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
         a = abs_or_zero(x)
         if AXIS == 1:
-            amax = tl.max(a, axis=1)[:, None]
+            amax = _per_block_max(a, BM, NB, BK // NB)  # (BM, NB)
         elif AXIS == 0:
             amax = tl.max(a, axis=0)[None, :]
         else:
             amax = tl.max(tl.max(a, axis=1), axis=0) + tl.zeros((1, 1), tl.float32)
         if RECIPE == 0:
             scale = fp8_block_scale(amax, POW2, VMAX)
-            codes = e4m3_code(x * scale)
+            codes = e4m3_code(x * _spread(scale, AXIS, BM, NB, BK))
             scale_out = tl.div_rn(1.0 + tl.zeros_like(scale), scale)  # the dequantization scale
             dequant = scale_out
         else:
             e = e8m0_exponent(amax)
-            codes = e4m3_code(x * e8m0_quant_multiplier(e))
+            codes = e4m3_code(x * _spread(e8m0_quant_multiplier(e), AXIS, BM, NB, BK))
             scale_out = e.to(tl.uint8)
             dequant = e8m0_dequant_multiplier(e)
         if DEQUANT:
             # one fp32 product, as the reference's code · scale (exact for power-of-two scales)
-            values = e4m3_signed_value(codes) * dequant
+            values = e4m3_signed_value(codes) * _spread(dequant, AXIS, BM, NB, BK)
             tl.store(codes_ptr + batch * M * K + off, values.to(codes_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(codes_ptr + batch * M * K + off, codes.to(tl.uint8), mask=mask)
@@ -346,9 +381,10 @@ def _quantize_kernel(
                 mask_t = (rk < K)[:, None] & (rm < M)[None, :]
                 tl.store(codes_t_ptr + batch * M * K + off_t, tl.trans(codes.to(tl.uint8)), mask=mask_t)
             if AXIS == 1:
-                nb = tl.cdiv(K, BK)
-                s_off = batch * M * nb + rm.to(tl.int64)[:, None] * nb + pid_k
-                tl.store(scales_ptr + s_off, scale_out, mask=(rm < M)[:, None])
+                nb = tl.cdiv(K, BK // NB)
+                rb = pid_k * NB + tl.arange(0, NB)
+                s_off = batch * M * nb + rm.to(tl.int64)[:, None] * nb + rb[None, :]
+                tl.store(scales_ptr + s_off, scale_out, mask=(rm < M)[:, None] & (rb < nb)[None, :])
             elif AXIS == 0:
                 s_off = batch * tl.cdiv(M, BM) * K + pid_m.to(tl.int64) * K + rk[None, :]
                 tl.store(scales_ptr + s_off, scale_out, mask=(rk < K)[None, :])
@@ -533,17 +569,19 @@ def _block_axis(x: Tensor, axis: int, name: str = "axis") -> bool:
     return axis % x.ndim == x.ndim - 1
 
 
-def _block_grid(x: Tensor, rid: int, block: int, rowwise: bool) -> tuple[tuple[int, int, int], int, int]:
-    """(grid, BM, BK) of _quantize_kernel for 1-D blocks: one block per tile row (rowwise) or column."""
+def _block_grid(x: Tensor, rid: int, block: int, rowwise: bool) -> tuple[tuple[int, int, int], int, int, int]:
+    """(grid, BM, BK, NB) of _quantize_kernel for 1-D blocks. Rowwise: 32 rows × 128 columns, NB
+    blocks side by side (the H200 ran nvfp4's former 32×(8+8) interleaved tiles at 263 GB/s and
+    mxfp8's 32×32 at ~1.5 TB/s, 2026-11-30). Columnwise: one block of rows per tile (nvfp4: two
+    interleaved half-tiles, even and odd rows, so codes pack along the block axis)."""
     M, K = x.shape[-2:]
     batch = x.numel() // max(M * K, 1)
-    if rid == _NVFP4:  # two interleaved half-tiles, even and odd elements along the block axis
-        bm, bk = (32, block // 2) if rowwise else (block // 2, 64)
-        if rowwise:
-            return (triton.cdiv(M, bm), triton.cdiv(K, 2 * bk), batch), bm, bk
-        return (triton.cdiv(M, 2 * bm), triton.cdiv(K, bk), batch), bm, bk
-    bm, bk = (32, block) if rowwise else (block, 64)
-    return (triton.cdiv(M, bm), triton.cdiv(K, bk), batch), bm, bk
+    if rowwise:
+        nb = max(1, 128 // block)
+        return (triton.cdiv(M, 32), triton.cdiv(K, nb * block), batch), 32, nb * block, nb
+    if rid == _NVFP4:
+        return (triton.cdiv(M, block), triton.cdiv(K, 64), batch), block // 2, 64, 1
+    return (triton.cdiv(M, block), triton.cdiv(K, 64), batch), block, 64, 1
 
 
 def quantize(x: Tensor, recipe, axis: int = -1):
@@ -568,11 +606,11 @@ def quantize(x: Tensor, recipe, axis: int = -1):
         )
     else:
         codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    grid, bm, bk = _block_grid(x, rid, block, rowwise)
+    grid, bm, bk, nblk = _block_grid(x, rid, block, rowwise)
     if x.numel():
         _quantize_kernel[grid](
             x, codes, scales, amax, M, K, codes, STORE_T=False,
-            RECIPE=rid, AXIS=_ROWWISE if rowwise else _COLWISE, BM=bm, BK=bk,
+            RECIPE=rid, AXIS=_ROWWISE if rowwise else _COLWISE, BM=bm, BK=bk, NB=nblk,
             POW2=bool(getattr(recipe, "pow2_scales", False)), VMAX=_vmax(x.dtype), DEQUANT=False,
         )  # fmt: skip
     if rid == _NVFP4:
@@ -624,7 +662,7 @@ def quantize_weight(w: Tensor, recipe, transposed: bool = False):
         grid = (triton.cdiv(M, 128), triton.cdiv(K, 128), batch)
         _quantize_kernel[grid](
             w, codes, scales, scales, M, K, codes_t if transposed else codes, STORE_T=transposed,
-            RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128,
+            RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128, NB=1,
             POW2=bool(recipe.pow2_scales), VMAX=_vmax(w.dtype), DEQUANT=False, num_warps=_TILE_WARPS,
         )  # fmt: skip
     return QuantizedTensor(
@@ -846,11 +884,11 @@ def dequantized(
     values = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     factor = _factor(rid, x.device)
     amax = tensor_amax(x) if rid == _NVFP4 else x  # x: a placeholder, read by nvfp4 only
-    grid, bm, bk = _block_grid(x, rid, recipe.block, rowwise)
+    grid, bm, bk, nblk = _block_grid(x, rid, recipe.block, rowwise)
     if x.numel():
         _quantize_kernel[grid](
             x, values, factor if factor is not None else values, amax, M, K, values, STORE_T=False,
-            RECIPE=rid, AXIS=_ROWWISE if rowwise else _COLWISE, BM=bm, BK=bk,
+            RECIPE=rid, AXIS=_ROWWISE if rowwise else _COLWISE, BM=bm, BK=bk, NB=nblk,
             POW2=bool(getattr(recipe, "pow2_scales", False)), VMAX=_vmax(x.dtype), DEQUANT=True,
         )  # fmt: skip
     elif factor is not None:
@@ -876,7 +914,7 @@ def dequantized_weight(
     if w.numel():
         grid = (triton.cdiv(M, 128), triton.cdiv(K, 128), batch)
         _quantize_kernel[grid](
-            w, values, values, w, M, K, values, STORE_T=False, RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128,
+            w, values, values, w, M, K, values, STORE_T=False, RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128, NB=1,
             POW2=bool(recipe.pow2_scales), VMAX=_vmax(w.dtype), DEQUANT=True, num_warps=_TILE_WARPS,
         )  # fmt: skip
     return values, None
