@@ -10,13 +10,20 @@ import pytest
 
 
 def compile_sm90(
-    kernel, constexprs: dict, pointers: dict, descriptors: dict | None, num_warps: int, num_stages: int
+    kernel,
+    constexprs: dict,
+    pointers: dict,
+    descriptors: dict | None,
+    num_warps: int,
+    num_stages: int,
+    divisible: tuple[str, ...] = (),
 ) -> tuple[str, str, str]:
     """Compiles ``kernel`` (a JITFunction) for sm_90. Arguments not named in ``constexprs``: pointers
     get ``pointers[name]`` (default ``*fp32``), names ending in ``_desc`` ``descriptors[name]`` (or
     None as a constexpr when ``descriptors`` is None), the rest are i32 scalars except fp32 activation
     parameters and ``unit``. Pointers and N/K-like sizes are specialized as 16-divisible, as a launch
-    on real shapes does. Returns (ptx, sass, cuobjdump -res-usage)."""
+    on real shapes does, and so are the scalars named in ``divisible``. Returns (ptx, sass,
+    cuobjdump -res-usage)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -42,9 +49,9 @@ def compile_sm90(
         else:
             sig[name] = "i32"
     names = list(sig)
-    sizes = ("N", "K", "N1", "stride_be", "stride_bn", "stride_asm")
-    divisible = [n for n in names if n.endswith("_ptr") or n in sizes]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible if sig[n] != "constexpr"}
+    sizes = ("N", "K", "N1", "stride_be", "stride_bn", "stride_asm") + tuple(divisible)
+    aligned = [n for n in names if n.endswith("_ptr") or n in sizes]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if sig[n] != "constexpr"}
     src = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
     compiled = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}

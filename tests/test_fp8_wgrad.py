@@ -285,70 +285,18 @@ def test_validation_names_the_argument():
 
 
 def compile_sm90(use_tma: bool, cfg):
-    """The kernel compiled for sm_90 by this machine's triton (no GPU needed), specialized as a launch
+    """The kernel compiled for sm_90 by this machine's triton (tests/_sm90.py), specialized as a launch
     on real shapes is (16-aligned pointers and sizes, row-major scales); returns (ptx, sass, usage)."""
-    import os
-    import subprocess
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    import _sm90
     from moemlp.kernels import _fp8_wgrad as fw
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("triton ships no cuobjdump here")
-    sig = {
-        "gt_ptr": "*fp8e4nv", "g_scale_ptr": "*fp32", "xt_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32",
-        "gt_desc": f"tensordesc<fp8e4nv[{cfg.BN}, 128]>" if use_tma else "constexpr",
-        "xt_desc": f"tensordesc<fp8e4nv[{cfg.BK}, 128]>" if use_tma else "constexpr",
-        "splits_ptr": "*i64", "out_ptr": "*bf16",
-        "T": "i32", "P": "i32", "N": "i32", "K": "i32", "E": "i32",
-        "stride_gsb": "i32", "stride_gsn": "i32", "stride_xsb": "i32", "stride_xsk": "i32",
-    }  # fmt: skip
-    const = dict(
-        stride_gsn=1,
-        stride_xsk=1,
-        BN=cfg.BN,
-        BK=cfg.BK,
-        BR=128,
-        GROUP_N=cfg.GROUP_N,
-        E_BLOCK=16,
-        INTERPRETED=False,
-        USE_TMA=use_tma,
-    )
-    if not use_tma:
-        const.update(gt_desc=None, xt_desc=None)
-    sig.update({k: "constexpr" for k in const})
-    names = list(sig)
-    divisible = (
-        "gt_ptr",
-        "g_scale_ptr",
-        "xt_ptr",
-        "x_scale_ptr",
-        "splits_ptr",
-        "out_ptr",
-        "P",
-        "N",
-        "K",
-        "stride_gsb",
-        "stride_xsb",
-    )
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in divisible}
-    src = ASTSource(fn=fw._fp8_block_grouped_wgrad_kernel, signature=sig, constexprs=const, attrs=attrs)
-    kernel = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    )
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moemlp_fp8_wgrad_{os.getpid()}.cubin")
-    with open(path, "wb") as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(path)
-    return kernel.asm["ptx"], sass, usage
+    const = dict(stride_gsn=1, stride_xsk=1, BN=cfg.BN, BK=cfg.BK, BR=128, GROUP_N=cfg.GROUP_N, E_BLOCK=16,
+                 INTERPRETED=False, USE_TMA=use_tma)  # fmt: skip
+    pointers = {"gt_ptr": "*fp8e4nv", "xt_ptr": "*fp8e4nv", "splits_ptr": "*i64", "out_ptr": "*bf16"}
+    descriptors = {"gt_desc": f"tensordesc<fp8e4nv[{cfg.BN}, 128]>", "xt_desc": f"tensordesc<fp8e4nv[{cfg.BK}, 128]>"}
+    kernel = fw._fp8_block_grouped_wgrad_kernel
+    return _sm90.compile_sm90(kernel, const, pointers, descriptors if use_tma else None, cfg.num_warps,
+                              cfg.num_stages, divisible=("P", "stride_gsb", "stride_xsb"))  # fmt: skip
 
 
 @pytest.mark.skipif(not _triton_env.START_CHILD, reason="offline sm_90 compile: the CPU-only parent process")
