@@ -38,7 +38,6 @@ from bench_kernels import SHAPES, bench  # noqa: E402
 
 SWEEP = [
     GemmConfig(128, 128, 128, 8, 4),  # the default: scales loaded in the step that uses them
-    GemmConfig(128, 128, 128, 8, 4, PREFETCH_SCALES=True),  # loaded one step ahead (H200: no gain)
     GemmConfig(128, 128, 128, 8, 3),
     GemmConfig(128, 128, 128, 8, 5),
     GemmConfig(64, 128, 128, 4, 4),  # two CTAs per SM could overlap one's promotion with the other's MMA
@@ -131,7 +130,6 @@ def bench_shape(name, r, sweep=False):
         for cfg in SWEEP:
             key = f"gemm {cfg.BM}x{cfg.BN} w{cfg.num_warps} s{cfg.num_stages} g{cfg.GROUP_M}"
             key += " ptr" if cfg.USE_TMA is False else ""
-            key += " prefetch" if cfg.PREFETCH_SCALES else ""
             res[key] = bench(lambda cfg=cfg: fp8_block_grouped_gemm(qx, qw, splits, torch.bfloat16, config=cfg))
     out_fp8 = fp8_block_grouped_gemm(qx, qw, splits, torch.float32)
     check(name, x, w, splits, qx, qw, out_fp8, out_rowwise)

@@ -317,7 +317,6 @@ def test_compiles_for_hopper_without_spills(case, use_tma):
         PROMOTE=store_partial,
         FP8=True,
         ACC_SCALE=False,
-        PREFETCH_SCALES=cfg.PREFETCH_SCALES,
         B_SCALE_SCALAR=True,  # what the launcher picks for BN | 128 (and GLU blocks a multiple of BN)
     )
     ptr = {
@@ -372,7 +371,6 @@ def test_gpu_matches_emulation(case):
         None,
         GemmConfig(128, 128, 128, 8, 4, USE_TMA=False),
         GemmConfig(64, 128, 128, 4, 4),
-        GemmConfig(128, 128, 128, 8, 4, PREFETCH_SCALES=False),
     )
     for cfg in configs:
         out = fp8_block_grouped_gemm(qa, qb, sp, torch.float32, bias=bias, config=cfg)

@@ -140,7 +140,6 @@ def _grouped_gemm_kernel(
     PROMOTE: tl.constexpr,
     FP8: tl.constexpr,  # e4m3 codes of A and B with block scales (fp8_block): promoted 128-deep steps
     ACC_SCALE: tl.constexpr,
-    PREFETCH_SCALES: tl.constexpr,  # FP8: load step k+1's scales before step k's dot
     B_SCALE_SCALAR: tl.constexpr,  # FP8: every column of a tile has the same B scale
 ):
     TWO_ACC: tl.constexpr = GLU and EPILOGUE == FC1  # gate and up columns of one F block
@@ -199,14 +198,6 @@ def _grouped_gemm_kernel(
             b_s_ptrs = b_scale_ptr + e.to(tl.int64) * stride_bse + (n_w // 128) * stride_bsn
             if TWO_ACC:
                 b_su_ptrs = b_scale_ptr + e.to(tl.int64) * stride_bse + ((n_w + G) // 128) * stride_bsn
-            if PREFETCH_SCALES:
-                a_s, b_s = _fp8_scales(
-                    a_s_ptrs, b_s_ptrs, 0, k_tiles, row_mask, ns_mask, stride_ask, stride_bsk, B_SCALE_SCALAR
-                )
-                if TWO_ACC:
-                    _, b_su = _fp8_scales(
-                        a_s_ptrs, b_su_ptrs, 0, k_tiles, row_mask, ns_mask, stride_ask, stride_bsk, B_SCALE_SCALAR
-                    )
         if USE_TMA:
             # The copy engine zero-fills past K and past the weights' edges, so no masks: rows of
             # the next expert that a tile's last rows read are computed and never stored, and
@@ -248,27 +239,14 @@ def _grouped_gemm_kernel(
                 if TWO_ACC:
                     b_up = b_up.to(tl.float32)
             if FP8:
-                k_s = kk + 1 if PREFETCH_SCALES else kk
-                a_s_n, b_s_n = _fp8_scales(
-                    a_s_ptrs, b_s_ptrs, k_s, k_tiles, row_mask, ns_mask, stride_ask, stride_bsk, B_SCALE_SCALAR
-                )
+                # Scales of this step, loaded in it: one step ahead gained nothing on the H200
+                # (±5% on the four FC1 shapes, 2026-11-30; benchmarks/NOTES.md).
+                a_s = tl.load(a_s_ptrs + kk * stride_ask, mask=row_mask, other=0.0)
+                acc += _fp8_product(a, b, a_s, _b_scale(b_s_ptrs + kk * stride_bsk, ns_mask, B_SCALE_SCALAR),
+                                    B_SCALE_SCALAR)  # fmt: skip
                 if TWO_ACC:
-                    _, b_su_n = _fp8_scales(
-                        a_s_ptrs, b_su_ptrs, k_s, k_tiles, row_mask, ns_mask, stride_ask, stride_bsk, B_SCALE_SCALAR
-                    )
-                if not PREFETCH_SCALES:
-                    a_s = a_s_n
-                    b_s = b_s_n
-                    if TWO_ACC:
-                        b_su = b_su_n
-                acc += _fp8_product(a, b, a_s, b_s, B_SCALE_SCALAR)
-                if TWO_ACC:
+                    b_su = _b_scale(b_su_ptrs + kk * stride_bsk, ns_mask, B_SCALE_SCALAR)
                     acc_up += _fp8_product(a, b_up, a_s, b_su, B_SCALE_SCALAR)
-                if PREFETCH_SCALES:
-                    a_s = a_s_n
-                    b_s = b_s_n
-                    if TWO_ACC:
-                        b_su = b_su_n
             else:
                 acc = _accumulate(a, b, acc, unit, PROMOTE, DOT_PRECISION)
                 if TWO_ACC:
@@ -346,18 +324,13 @@ def _accumulate(a, b, acc, unit, PROMOTE: tl.constexpr, DOT_PRECISION: tl.conste
 
 
 @triton.jit
-def _fp8_scales(
-    a_s_ptrs, b_s_ptrs, kk, k_tiles, row_mask, n_mask, stride_ask, stride_bsk, B_SCALE_SCALAR: tl.constexpr
-):
-    """The (BM,) A and the (BN,) or scalar B dequantization scales of K step kk. The step index is
-    clamped into [0, k_tiles): the prefetch one step past the last reads a valid, unused scale."""
-    kc = tl.maximum(tl.minimum(kk, k_tiles - 1), 0)
-    a_s = tl.load(a_s_ptrs + kc * stride_ask, mask=row_mask, other=0.0)
+def _b_scale(ptrs, n_mask, B_SCALE_SCALAR: tl.constexpr):
+    """B's dequantization scale of one K step: one for the tile, or one per column (0 past N)."""
     if B_SCALE_SCALAR:
-        b_s = tl.load(b_s_ptrs + kc * stride_bsk)
+        b_s = tl.load(ptrs)
     else:
-        b_s = tl.load(b_s_ptrs + kc * stride_bsk, mask=n_mask, other=0.0)
-    return a_s, b_s
+        b_s = tl.load(ptrs, mask=n_mask, other=0.0)
+    return b_s
 
 
 @triton.jit
@@ -793,7 +766,6 @@ class GemmConfig:
     GROUP_M: int = 8
     SUBTILE: int = 1  # epilogue column chunks, a power of two
     PROMOTE: bool | None = None  # fp32 adds of BK-deep products; None: when dprobs partials are stored
-    PREFETCH_SCALES: bool = False  # fp8_block: scales of step k+1 loaded before step k's dot (H200: no gain)
     USE_TMA: bool | None = None  # None: TMA where the operands allow it (16-byte aligned rows)
 
 
@@ -1000,7 +972,6 @@ def launch_grouped_gemm(
         PROMOTE=store_partial if config.PROMOTE is None else config.PROMOTE,
         FP8=fp8,
         ACC_SCALE=acc_scale is not None,
-        PREFETCH_SCALES=config.PREFETCH_SCALES,
         B_SCALE_SCALAR=fp8 and 128 % config.BN == 0 and (not glu_gather or cfg.glu_interleave % config.BN == 0),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
