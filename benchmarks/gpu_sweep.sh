@@ -1,38 +1,62 @@
 #!/usr/bin/env bash
-# One device call: GPU tests in groups (each with its own time limit, failures listed with one line
-# each), then precision and the benches. Logs, CSV and PNG under $OUT; short tables last.
-# Usage (device): bash benchmarks/gpu_sweep.sh [tests|bench|all]   (default: all; ~9 min on an H200)
-# The whole test directory took longer than one 300 s limit on the H200 (2026-11-30), so the groups
-# below run separately and a group cut by its limit still leaves the others' results.
+# One device call: GPU tests in parallel groups (each with its own time limit, failures listed with
+# one line each), then the benches, one at a time. Logs, CSV and PNG under $OUT; short tables last.
+# Usage (device): bash benchmarks/gpu_sweep.sh [PART,PART...]   PART: tests bf16tests precision bench
+#   parts recipes; default tests,parts (~6 min on a cold H200), then a second call with recipes.
+# A cold H200 spends most of a test group's time compiling kernels (one Triton compile per recipe,
+# dtype and constexpr set): run one after another, the groups ran past 600 s (2026-11-30), so they
+# run side by side here (16 CPU cores) and the benches run alone after them.
 set -uo pipefail
 OUT=${OUT:-/tmp/moemlp-out}
-WHAT=${1:-all}
+WHAT=,${1:-tests,parts},
 mkdir -p "$OUT"
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } \
   2>&1 | tee "$OUT/env.txt"
 
-group() {  # name, time limit (s), test files...
+group() {  # name, time limit (s), pytest arguments...  (runs in the background)
   local name=$1 limit=$2
   shift 2
-  timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --tb=line -s "$@" > "$OUT/tests_$name.log" 2>&1
-  echo "[$name] rc=$? $(grep -E '(passed|failed)' "$OUT/tests_$name.log" | tail -1)"
-  grep -E '^FAILED' "$OUT/tests_$name.log" | head -8
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --tb=short "$@" > "$OUT/tests_$name.log" 2>&1
+  echo "[$name] rc=$? $(grep -E '(passed|failed)' "$OUT/tests_$name.log" | tail -1)" > "$OUT/tests_$name.sum"
+  grep -E '^FAILED' "$OUT/tests_$name.log" | head -8 >> "$OUT/tests_$name.sum"
 }
+has() { [[ $WHAT == *,$1,* ]]; }
 
-if [ "$WHAT" != bench ]; then
-  group bf16 150 tests/test_triton_backend.py tests/test_gpu_reference.py tests/test_training_options.py \
-    tests/test_contract_triton.py
-  group recipes 150 tests/test_recipes_triton.py tests/test_fp8_gemm.py tests/test_fp8_wgrad.py tests/test_recipes.py
-  group quantizers 150 tests/test_quantize_triton.py tests/test_dequantized_triton.py
-  group moe 90 tests/test_moe.py tests/test_dispatch.py tests/test_router.py
+if has tests || has bf16tests; then
+  start=$(date +%s)
+  if has bf16tests; then
+    group bf16 280 tests/test_triton_backend.py tests/test_gpu_reference.py tests/test_training_options.py \
+      tests/test_contract_triton.py &
+    group moe 280 tests/test_moe.py tests/test_dispatch.py tests/test_router.py &
+  fi
+  if has tests; then
+    group recipes_mlp 280 tests/test_recipes_triton.py &
+    group recipes_gemm 280 tests/test_fp8_gemm.py tests/test_fp8_wgrad.py tests/test_recipes.py &
+    group quant_fp8 280 tests/test_quantize_triton.py -k "gpu and fp8_block" &
+    group quant_mx 280 tests/test_quantize_triton.py -k "gpu and mxfp8" &
+    group quant_nv 280 tests/test_quantize_triton.py -k "gpu and nvfp4" &
+    group quant_rest 280 tests/test_quantize_triton.py -k "not (gpu and (fp8_block or mxfp8 or nvfp4))" &
+    group dequant 280 tests/test_dequantized_triton.py &
+  fi
+  wait
+  cat "$OUT"/tests_*.sum
+  echo "tests: $(( $(date +%s) - start )) s wall"
+  # only the tail of each log comes back (the full ones can be too long to return)
+  for f in "$OUT"/tests_*.log; do tail -150 "$f" > "$f.tail"; rm "$f"; done
 fi
-if [ "$WHAT" != tests ]; then
+if has precision; then
   timeout 60 python3 -m moemlp precision --out "$OUT" > "$OUT/precision.log" 2>&1; tail -7 "$OUT/precision.log"
-  timeout 120 python3 -m moemlp bench --rep-ms 100 --out "$OUT" > "$OUT/bench.log" 2>&1; tail -8 "$OUT/bench.log"
-  timeout 70 python3 benchmarks/bench_recipe_parts.py --out "$OUT" > "$OUT/parts.log" 2>&1
-  timeout 160 python3 -m moemlp bench --recipes --rep-ms 50 --out "$OUT" > "$OUT/bench_recipes.log" 2>&1
-  grep -v Warn "$OUT/parts.log" | tail -40
-  tail -7 "$OUT/bench_recipes.log"
+fi
+if has bench; then
+  timeout 150 python3 -m moemlp bench --rep-ms 100 --out "$OUT" > "$OUT/bench.log" 2>&1; tail -8 "$OUT/bench.log"
+fi
+if has parts; then
+  timeout 100 python3 benchmarks/bench_recipe_parts.py --out "$OUT" > "$OUT/parts.log" 2>&1
+  grep -v Warn "$OUT/parts.log" | tail -45
+fi
+if has recipes; then
+  timeout 240 python3 -m moemlp bench --recipes --rep-ms 50 --out "$OUT" > "$OUT/bench_recipes.log" 2>&1
+  tail -9 "$OUT/bench_recipes.log"
 fi

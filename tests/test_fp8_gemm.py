@@ -272,6 +272,8 @@ SM90_CASES = [
     ("plain", 1, False, "fc2"),
     ("fc1_glu", 0, True, "fc1"),
     ("fc2_dgrad", 2, True, "fc2_dgrad"),
+    # FC2_DGRAD whose epilogue also quantizes g_h and z for the weight gradients (WgradCodes)
+    ("fc2_dgrad_wgrad_codes", 2, True, "fc2_dgrad"),
 ]
 
 
@@ -284,9 +286,12 @@ def test_compiles_for_hopper_without_spills(case, use_tma):
     import _sm90
     from moemlp.kernels import _grouped_gemm as gg
 
-    _, epilogue, glu, kind = case
+    name, epilogue, glu, kind = case
     if gg.INTERPRET:
         pytest.skip("the interpreter's configs")
+    wgrad_codes = name.endswith("wgrad_codes")
+    if wgrad_codes and not use_tma:
+        pytest.skip("the epilogue quantizes for the wgrads on the TMA path only (128-row tiles)")
     cfg = gg._fp8_config(kind, glu)
     if not use_tma:
         if glu and epilogue == 0:
@@ -318,6 +323,9 @@ def test_compiles_for_hopper_without_spills(case, use_tma):
         FP8=True,
         ACC_SCALE=False,
         B_SCALE_SCALAR=True,  # what the launcher picks for BN | 128 (and GLU blocks a multiple of BN)
+        QUANT_G=wgrad_codes,
+        QUANT_Z=wgrad_codes,
+        POW2=True,
     )
     ptr = {
         "a_ptr": "*fp8e4nv",
@@ -327,10 +335,13 @@ def test_compiles_for_hopper_without_spills(case, use_tma):
         "h_ptr": "*bf16",
         "splits_ptr": "*i64",
         "probs_ptr": "*fp32",
+        "cq_g_ptr": "*u8",
+        "cq_z_ptr": "*u8",
     }
     desc = {"a_desc": f"tensordesc<fp8e4nv[{cfg.BM}, 128]>", "b_desc": f"tensordesc<fp8e4nv[1, {cfg.BN}, 128]>"}
     ptx, sass, usage = _sm90.compile_sm90(
-        gg._grouped_gemm_kernel, const, ptr, desc if use_tma else None, cfg.num_warps, cfg.num_stages
+        gg._grouped_gemm_kernel, const, ptr, desc if use_tma else None, cfg.num_warps, cfg.num_stages,
+        divisible=("P_pad",),
     )
     # (64×64 at 8 warps splits N over the two warpgroups: m64n32)
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k{dot_k}\.f32\.e4m3\.e4m3", ptx)

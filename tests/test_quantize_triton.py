@@ -72,14 +72,14 @@ def _same(a, b, what):
     assert torch.equal(_u8(a).cpu(), _u8(b).cpu()), what
 
 
-def check_quantizers_match_torch(device: str, big: bool = False) -> None:
+def check_quantizers_match_torch(device: str, big: bool = False, keys=RECIPES) -> None:
     from moemlp.kernels import quantize as kq
 
     shapes = [(37, 70), (3, 40, 33), (1, 1), (130, 129)]
     if big:
         shapes += [(1000, 1030), (4, 384, 640)]
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
-    for key in RECIPES:
+    for key in keys:
         r = from_key(key)
         for dtype in dtypes:
             inputs = [_data(s, dtype, seed) for seed, s in enumerate(shapes)] + [_ties(dtype)]
@@ -106,13 +106,13 @@ def check_quantizers_match_torch(device: str, big: bool = False) -> None:
                     assert at.codes_t.is_contiguous(), what
 
 
-def check_wgrad_matches_torch(device: str, big: bool = False) -> None:
+def check_wgrad_matches_torch(device: str, big: bool = False, keys=WGRAD_RECIPES) -> None:
     from moemlp.kernels import quantize as kq
 
     cases = [([40, 0, 7, 150], 5, 24), ([16, 16], 0, 48), ([3], 2, 20)]
     if big:
         cases += [([1000, 0, 37, 2048, 500], 64, 512)]
-    for key in WGRAD_RECIPES:
+    for key in keys:
         r = from_key(key)
         for seed, (splits, capacity, K) in enumerate(cases):
             T = sum(splits) + capacity
@@ -158,14 +158,18 @@ def test_wgrad_quantizer_matches_torch_interpreted():
     _run_interpreted("check_wgrad_matches_torch")
 
 
+# One case per recipe, so that the device sweep can spread them over processes (each recipe and
+# dtype compiles its own kernels; together they ran past a 150 s limit on a cold H200, 2026-11-30).
 @pytest.mark.gpu
-def test_quantizers_match_torch_gpu():
-    check_quantizers_match_torch("cuda", big=True)
+@pytest.mark.parametrize("key", RECIPES)
+def test_quantizers_match_torch_gpu(key):
+    check_quantizers_match_torch("cuda", big=True, keys=[key])
 
 
 @pytest.mark.gpu
-def test_wgrad_quantizer_matches_torch_gpu():
-    check_wgrad_matches_torch("cuda", big=True)
+@pytest.mark.parametrize("key", WGRAD_RECIPES)
+def test_wgrad_quantizer_matches_torch_gpu(key):
+    check_wgrad_matches_torch("cuda", big=True, keys=[key])
 
 
 def test_launcher_rejects_bad_inputs():

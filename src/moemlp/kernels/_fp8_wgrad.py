@@ -65,7 +65,7 @@ from torch import Tensor
 
 from ._grouped_gemm import INTERPRET, TensorDescriptor, _e_block, _expert_table, _pick, _rounded, _tma_ok
 
-__all__ = ["Fp8WgradConfig", "default_fp8_wgrad_config", "fp8_block_grouped_wgrad"]
+__all__ = ["Fp8WgradConfig", "default_fp8_wgrad_config", "fp8_block_grouped_wgrad", "fp8_block_grouped_wgrad_kmajor"]
 
 BLOCK = 128  # fp8_block's row block of both wgrad operands: one K step of the reduction
 
@@ -261,7 +261,6 @@ def fp8_block_grouped_wgrad(
     g_codes, g_scales, g_rows = _wgrad_parts(g_q, "g_q")
     x_codes, x_scales, x_rows = _wgrad_parts(x_q, "x_q")
     P, N = g_codes.shape
-    K = x_codes.shape[1]
     if x_codes.shape[0] != P:
         raise ValueError(f"x_q.codes: expected P = {P} padded rows (g_q's), got shape {tuple(x_codes.shape)}")
     T = g_rows.shape[0]
@@ -277,26 +276,62 @@ def fp8_block_grouped_wgrad(
             f"splits: expected the E with P = (ceil(T/128) + E)·128 = {P} (T = {T}) that the operands were "
             f"quantized with, got E = {E}"
         )
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
     device = g_codes.device
-    for t, what in (
-        (g_scales, "g_q.scales"),
-        (x_codes, "x_q.codes"),
-        (x_scales, "x_q.scales"),
-        (splits, "splits"),
-    ):
+    for t, what in ((g_scales, "g_q.scales"), (x_codes, "x_q.codes"), (x_scales, "x_q.scales")):
         if t.device != device:
             raise TypeError(f"{what}: expected a tensor on {device} (g_q.codes'), got {t.device}")
-    config = config or default_fp8_wgrad_config()
+    # K-major operands for wgmma: Gᵀ (N, P), Xᵀ (K, P). (T = 0: every expert has no block, so the
+    # kernel reads no code and stores zeros; the quantizer leaves such codes unwritten.)
+    return _launch(_k_major(g_q, g_codes), g_scales, _k_major(x_q, x_codes), x_scales, splits, T, out_dtype, config)
 
+
+def fp8_block_grouped_wgrad_kmajor(
+    g_t: Tensor,
+    g_scales: Tensor,
+    x_t: Tensor,
+    x_scales: Tensor,
+    splits: Tensor,
+    T: int,
+    out_dtype: torch.dtype = torch.float32,
+    config: Fp8WgradConfig | None = None,
+) -> Tensor:
+    """``fp8_block_grouped_wgrad`` on operands already in the kernel's form: the transposed codes
+    Gᵀ (N, P) and Xᵀ (K, P) (float8_e4m3fn or their uint8 bits) with their fp32 scales (P/128, N)
+    and (P/128, K), P = (⌈T/128⌉ + E)·128, T the source rows. The grouped MLP's backward passes g_h
+    and z this way, quantized by the FC2_DGRAD epilogue (``_grouped_gemm.WgradCodes``)."""
+    for t, what in ((g_t, "g_t"), (x_t, "x_t"), (g_scales, "g_scales"), (x_scales, "x_scales")):
+        if not isinstance(t, Tensor) or t.ndim != 2 or not t.is_contiguous():
+            raise ValueError(f"{what}: expected a contiguous 2-D tensor")
+    for t, what in ((g_t, "g_t"), (x_t, "x_t")):
+        if t.dtype not in (torch.float8_e4m3fn, torch.uint8):
+            raise TypeError(f"{what}: expected float8_e4m3fn codes (or their uint8 bits), got {t.dtype}")
+    N, P = g_t.shape
+    K = x_t.shape[0]
+    if x_t.shape[1] != P or P % BLOCK:
+        raise ValueError(f"x_t: expected (K, {P}) with P a multiple of 128, got {tuple(x_t.shape)}")
+    for t, C, what in ((g_scales, N, "g_scales"), (x_scales, K, "x_scales")):
+        if tuple(t.shape) != (P // BLOCK, C) or t.dtype != torch.float32:
+            raise ValueError(f"{what}: expected ({P // BLOCK}, {C}) float32, got {tuple(t.shape)} {t.dtype}")
+    if not isinstance(splits, Tensor) or splits.dtype not in (torch.int32, torch.int64) or splits.ndim != 1:
+        raise TypeError("splits: expected an (E,) int32/int64 tensor")
+    if P != (triton.cdiv(T, BLOCK) + splits.shape[0]) * BLOCK:
+        raise ValueError(f"T: expected the rows with P = (ceil(T/128) + E)·128 = {P}, got T = {T}")
+    return _launch(g_t.view(torch.float8_e4m3fn), g_scales, x_t.view(torch.float8_e4m3fn), x_scales, splits, T,
+                   out_dtype, config)  # fmt: skip
+
+
+def _launch(g_t, g_scales, x_t, x_scales, splits, T, out_dtype, config) -> Tensor:
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+    device = g_t.device
+    for t, what in ((g_scales, "g scales"), (x_t, "x codes"), (x_scales, "x scales"), (splits, "splits")):
+        if t.device != device:
+            raise TypeError(f"{what}: expected a tensor on {device} (g's codes'), got {t.device}")
+    config = config or default_fp8_wgrad_config()
+    (N, P), K, E = g_t.shape, x_t.shape[0], splits.shape[0]
     out = torch.empty((E, N, K), dtype=out_dtype, device=device)
     if out.numel() == 0:
         return out
-    # K-major operands for wgmma: Gᵀ (N, P), Xᵀ (K, P). (T = 0: every expert has no block, so the
-    # kernel reads no code and stores zeros; the quantizer leaves such codes unwritten.)
-    g_t = _k_major(g_q, g_codes)
-    x_t = _k_major(x_q, x_codes)
     use_tma = _tma_ok(g_t, x_t) if config.USE_TMA is None else config.USE_TMA
     if use_tma and not _tma_ok(g_t, x_t):
         raise ValueError("config: USE_TMA needs triton's TensorDescriptor and 16-byte aligned code rows")

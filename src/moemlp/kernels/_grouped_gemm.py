@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - triton < 3.4 has no host-side descript
     TensorDescriptor = None
 
 from ._activations import glu_backward, glu_forward, unary_backward, unary_forward
+from .quantize import FLT_MAX, fp8_block_columns
 
 # Under TRITON_INTERPRET=1, tl.dot on bf16 operands returns garbage (numpy has no bf16 matmul;
 # triton 3.9, 2026-11-30: max error 2.7e10 on a 16×16 product), so dot operands are upcast to fp32
@@ -100,6 +101,11 @@ def _grouped_gemm_kernel(
     a_scale_ptr,  # FP8: fp32 dequant scale of row m, K block kb at m·stride_asm + kb·stride_ask
     b_scale_ptr,  # FP8: fp32 dequant scale of B's 128×128 tile (n//128, k//128) of expert e (strides below)
     acc_scale_ptr,  # ACC_SCALE: fp32 scalar multiplied onto the accumulator (nvfp4's per-tensor factors)
+    cq_g_ptr,  # QUANT_G: (N1, P_pad) e4m3 code bits of g_hᵀ in the weight-gradient layout (below)
+    cq_gs_ptr,  # QUANT_G: (P_pad/128, N1) fp32 dequantization scale of each 128-row block and column
+    cq_z_ptr,  # QUANT_Z: (F, P_pad) the same of z
+    cq_zs_ptr,  # QUANT_Z: (P_pad/128, F)
+    P_pad,  # QUANT_*: padded rows (⌈M/128⌉ + E)·128 of the weight-gradient layout
     M,
     N,
     K,
@@ -141,6 +147,9 @@ def _grouped_gemm_kernel(
     FP8: tl.constexpr,  # e4m3 codes of A and B with block scales (fp8_block): promoted 128-deep steps
     ACC_SCALE: tl.constexpr,
     B_SCALE_SCALAR: tl.constexpr,  # FP8: every column of a tile has the same B scale
+    QUANT_G: tl.constexpr,  # FC2_DGRAD, fp8_block: also store g_h quantized in 128-row blocks, transposed
+    QUANT_Z: tl.constexpr,  # FC2_DGRAD, fp8_block: z quantized so instead of z itself (STORE_Z)
+    POW2: tl.constexpr,  # QUANT_*: power-of-two scales (the recipe's pow2_scales)
 ):
     TWO_ACC: tl.constexpr = GLU and EPILOGUE == FC1  # gate and up columns of one F block
     pid = tl.program_id(0)
@@ -297,6 +306,15 @@ def _grouped_gemm_kernel(
             SCALE_BIAS,
             STORE_Z,
             INTERPRETED,
+            tm,
+            cq_g_ptr,
+            cq_gs_ptr,
+            cq_z_ptr,
+            cq_zs_ptr,
+            P_pad,
+            QUANT_G,
+            QUANT_Z,
+            POW2,
         )
         if STORE_PARTIAL:
             # Σ_f g_z·a over this F tile, chunks added in column order: a fixed order.
@@ -378,6 +396,15 @@ def _epilogue_chunks(
     SCALE_BIAS: tl.constexpr,
     STORE_Z: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    tm,  # the tile's m index: its 128-row block of the weight-gradient layout (QUANT_G / QUANT_Z)
+    cq_g_ptr,
+    cq_gs_ptr,
+    cq_z_ptr,
+    cq_zs_ptr,
+    P_pad,
+    QUANT_G: tl.constexpr,
+    QUANT_Z: tl.constexpr,
+    POW2: tl.constexpr,
 ):
     """The epilogue of a (BM, BW) tile in CHUNKS column chunks, halving recursively; returns the
     dprobs partial summed over the chunks in column order (a fixed order)."""
@@ -412,6 +439,15 @@ def _epilogue_chunks(
             SCALE_BIAS,
             STORE_Z,
             INTERPRETED,
+            tm,
+            cq_g_ptr,
+            cq_gs_ptr,
+            cq_z_ptr,
+            cq_zs_ptr,
+            P_pad,
+            QUANT_G,
+            QUANT_Z,
+            POW2,
         )
     else:
         acc0, acc1 = _halves(acc, BM, BW)
@@ -447,6 +483,15 @@ def _epilogue_chunks(
             SCALE_BIAS,
             STORE_Z,
             INTERPRETED,
+            tm,
+            cq_g_ptr,
+            cq_gs_ptr,
+            cq_z_ptr,
+            cq_zs_ptr,
+            P_pad,
+            QUANT_G,
+            QUANT_Z,
+            POW2,
         )
         part += _epilogue_chunks(
             acc1,
@@ -479,6 +524,15 @@ def _epilogue_chunks(
             SCALE_BIAS,
             STORE_Z,
             INTERPRETED,
+            tm,
+            cq_g_ptr,
+            cq_gs_ptr,
+            cq_z_ptr,
+            cq_zs_ptr,
+            P_pad,
+            QUANT_G,
+            QUANT_Z,
+            POW2,
         )
     return part
 
@@ -520,6 +574,15 @@ def _epilogue(
     SCALE_BIAS: tl.constexpr,
     STORE_Z: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    tm,  # the tile's m index: its 128-row block of the weight-gradient layout (QUANT_G / QUANT_Z)
+    cq_g_ptr,
+    cq_gs_ptr,
+    cq_z_ptr,
+    cq_zs_ptr,
+    P_pad,
+    QUANT_G: tl.constexpr,
+    QUANT_Z: tl.constexpr,
+    POW2: tl.constexpr,
 ):
     """Stores one column chunk of a tile's outputs; returns the chunk's dprobs partial (FC2_DGRAD)."""
     offs_n = col0 + tl.arange(0, BNS)
@@ -583,26 +646,53 @@ def _epilogue(
         if HAS_PROBS:
             g_a = g_z * p[:, None]
         g_out = out_ptr + row_base * N1 + (local * N1 + n_h[None, :])
-        tl.store(
-            g_out, _rounded(tl.where(is_real, g_a * d_gate, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask
-        )
+        g_gate = g_a * d_gate  # one fp32 value each for the store and the quantizer below
+        tl.store(g_out, _rounded(tl.where(is_real, g_gate, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+        if QUANT_G:
+            _store_wgrad_codes(g_gate, row_mask, is_real, n_h, n_mask, N1, tm, cq_g_ptr, cq_gs_ptr, P_pad, BM, POW2)
         if GLU:
-            tl.store(
-                g_out + G,
-                _rounded(tl.where(is_real, g_a * d_up, 0.0), out_ptr.dtype.element_ty, INTERPRETED),
-                mask=mask,
-            )
+            g_up = g_a * d_up
+            g_up_out = _rounded(tl.where(is_real, g_up, 0.0), out_ptr.dtype.element_ty, INTERPRETED)
+            tl.store(g_out + G, g_up_out, mask=mask)
+            if QUANT_G:
+                _store_wgrad_codes(
+                    g_up, row_mask, is_real, n_h + G, n_mask, N1, tm, cq_g_ptr, cq_gs_ptr, P_pad, BM, POW2
+                )
         if STORE_Z:
             z = act
             if HAS_PROBS:
                 z = act * p[:, None]
-            z_out = z_ptr + row_base * N + (local * N + offs_n[None, :])
-            tl.store(z_out, _rounded(tl.where(is_real, z, 0.0), z_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+            if QUANT_Z:  # z is dW2's operand only: its codes replace the fp32 store
+                _store_wgrad_codes(z, row_mask, is_real, offs_n, n_mask, N, tm, cq_z_ptr, cq_zs_ptr, P_pad, BM, POW2)
+            else:
+                z_out = z_ptr + row_base * N + (local * N + offs_n[None, :])
+                tl.store(z_out, _rounded(tl.where(is_real, z, 0.0), z_ptr.dtype.element_ty, INTERPRETED), mask=mask)
     else:
         tl.static_assert(EPILOGUE == FC1_DGRAD)
         dx_out = out_ptr + row_base * N + (local * N + offs_n[None, :])
         tl.store(dx_out, _rounded(tl.where(is_real, acc, 0.0), out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
     return part
+
+
+@triton.jit
+def _store_wgrad_codes(
+    v, row_mask, is_real, cols, col_mask, n_cols, tm, codes_t_ptr, scales_ptr, P_pad,
+    BM: tl.constexpr, POW2: tl.constexpr,
+):  # fmt: skip
+    """fp8_block's weight-gradient quantization of a (BM, ·) chunk of fp32 values (g_h or z) whose
+    rows are one 128-row block of an expert: the tile starts at a multiple of 128 rows into its
+    expert (BM = 128), so m-tile tm is block tm of ``quantize_wgrad``'s padded layout. Rows past the
+    expert's end are its padding (value 0, code 0). Codes go to column c, padded row tm·128 + i of the
+    transposed (·, P_pad) layout the fp8 wgrad GEMM reads; scales to (tm, c). The arithmetic is
+    quantize._wgrad_kernel's (fp8_block_columns, an fp32 source: VMAX = FLT_MAX), so the codes and
+    scales are those of quantize_wgrad on the stored fp32 values, bit for bit."""
+    codes, scales = fp8_block_columns(tl.where(row_mask[:, None], v, 0.0), POW2, FLT_MAX)
+    rp = tm.to(tl.int64) * BM + tl.arange(0, BM)
+    live = cols < tl.where(is_real, n_cols, 0)  # capacity tiles store nothing: they are no block
+    live = live & col_mask
+    tl.store(codes_t_ptr + cols.to(tl.int64)[:, None] * P_pad + rp[None, :], tl.trans(codes.to(tl.uint8)),
+             mask=live[:, None])  # fmt: skip
+    tl.store(scales_ptr + tm.to(tl.int64) * n_cols + cols, scales, mask=live)
 
 
 @triton.jit
@@ -823,7 +913,9 @@ def _fp8_config(kind: str, glu: bool) -> GemmConfig:
     else:
         gpu = GemmConfig(128, 128, 128, 8, 4)
     if INTERPRET:
-        return GemmConfig(16, 32 if gpu.SUBTILE > 1 else 16, 128, 4, 1, GROUP_M=4, SUBTILE=min(gpu.SUBTILE, 4))
+        # FC2_DGRAD keeps the GPU's 128-row tiles: its epilogue quantizes g_h and z in 128-row blocks.
+        bm = 128 if kind == "fc2_dgrad" else 16
+        return GemmConfig(bm, 32 if gpu.SUBTILE > 1 else 16, 128, 4, 1, GROUP_M=4, SUBTILE=min(gpu.SUBTILE, 4))
     return gpu
 
 
@@ -859,6 +951,59 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@dataclass
+class WgradCodes:
+    """fp8_block weight-gradient operands that the FC2_DGRAD epilogue quantizes from its fp32 values
+    (``_store_wgrad_codes``): g_h for dW1 and z for dW2, each in ``quantize_wgrad``'s expert-aligned
+    padded layout of P = (⌈M/128⌉ + E)·128 rows, transposed (K-major for the fp8 wgrad GEMM):
+    codes (C, P) uint8 e4m3 bits, scales (P/128, C) fp32. Only the blocks of the experts' rows are
+    written (the wgrad GEMM reads no other); None skips one operand. With z_t, z itself is not stored."""
+
+    g_t: torch.Tensor | None
+    g_s: torch.Tensor | None
+    z_t: torch.Tensor | None
+    z_s: torch.Tensor | None
+    pow2: bool
+
+    @staticmethod
+    def empty(M: int, E: int, N1: int, F: int, pow2: bool, g: bool, z: bool, device) -> WgradCodes:
+        P = (triton.cdiv(M, 128) + E) * 128
+
+        def buffers(C):
+            return (torch.empty((C, P), dtype=torch.uint8, device=device),
+                    torch.empty((P // 128, C), dtype=torch.float32, device=device))  # fmt: skip
+
+        g_t, g_s = buffers(N1) if g else (None, None)
+        z_t, z_s = buffers(F) if z else (None, None)
+        return WgradCodes(g_t, g_s, z_t, z_s, pow2)
+
+    @property
+    def P(self) -> int:
+        return (self.g_t if self.g_t is not None else self.z_t).shape[1]
+
+    def check(self, M: int, E: int, N1: int, F: int) -> None:
+        P = (triton.cdiv(M, 128) + E) * 128
+        for t, s, C, what in ((self.g_t, self.g_s, N1, "g"), (self.z_t, self.z_s, F, "z")):
+            if t is None:
+                continue
+            if t.shape != (C, P) or t.dtype != torch.uint8 or not t.is_contiguous():
+                raise ValueError(f"wgrad_codes.{what}_t: expected a contiguous ({C}, {P}) uint8 tensor")
+            if s is None or s.shape != (P // 128, C) or s.dtype != torch.float32 or not s.is_contiguous():
+                raise ValueError(f"wgrad_codes.{what}_s: expected a contiguous ({P // 128}, {C}) float32 tensor")
+        if self.g_t is None and self.z_t is None:
+            raise ValueError("wgrad_codes: neither g nor z asked for")
+
+    def pointers(self, dummy):
+        return tuple(t if t is not None else dummy for t in (self.g_t, self.g_s, self.z_t, self.z_s))
+
+
+def fp8_epilogue_blocks_ok(config: GemmConfig, K: int) -> bool:
+    """Whether an FP8 launch of reduction depth K runs 128-row m-tiles, which the epilogue's
+    weight-gradient quantization needs: the config's BM, and the TMA mainloop (code rows 16-byte
+    aligned; the masked-pointer fallback below runs 64-row tiles)."""
+    return config.BM == 128 and (INTERPRET or (TensorDescriptor is not None and K % 16 == 0))
+
+
 def launch_grouped_gemm(
     epilogue: int,
     a: torch.Tensor,
@@ -883,12 +1028,19 @@ def launch_grouped_gemm(
     b_scales=None,  # fp8_block: fp32 dequant scales of b's 128×128 tiles ...
     b_scale_strides: tuple[int, int, int] | None = None,  # ... tile (n//128, k//128) of expert e at e·s0 + ·s1 + ·s2
     acc_scale=None,  # 0-d fp32 tensor multiplied onto the fp32 accumulator (nvfp4's per-tensor factors)
+    wgrad_codes: WgradCodes | None = None,  # FC2_DGRAD under fp8_block: g_h / z quantized for dW1 / dW2
 ) -> None:
     M = a.shape[0]
     E = splits.shape[0]
+    fp8 = a_scales is not None
+    if wgrad_codes is not None:
+        if epilogue != FC2_DGRAD.value or not fp8:
+            raise ValueError("wgrad_codes: the FC2_DGRAD epilogue of an fp8_block GEMM quantizes for the wgrads")
+        if not fp8_epilogue_blocks_ok(config, K):
+            raise ValueError(f"wgrad_codes: needs 128-row tiles on the TMA path (config BM {config.BM}, K {K})")
+        wgrad_codes.check(M, E, N1, N)
     if M == 0 or N == 0:
         return
-    fp8 = a_scales is not None
     # cfg None: a plain GEMM (FC2's epilogue without probs: out = acc (+ bias)), no activation
     params = tuple(cfg.activation_params) + (0.0,) * (3 - len(cfg.activation_params)) if cfg else (0.0,) * 3
     glu = cfg is not None and cfg.glu
@@ -910,6 +1062,8 @@ def launch_grouped_gemm(
         # epilogue spilled (ptxas sm_90, triton 3.9: 173-217 local loads), at 64×64 and 8 warps
         # FC2 and FC2_DGRAD do not (FC1 with a GLU still spills 99). A fallback for odd shapes.
         config = dataclasses.replace(config, BM=64, BN=64, num_warps=8, num_stages=4)
+    if wgrad_codes is not None and config.BM != 128:  # an operand row not 16-byte aligned after all
+        raise ValueError("wgrad_codes: this launch fell back to 64-row tiles; quantize the operands separately")
     m_bound = triton.cdiv(M, config.BM) + E + 1
     bound = m_bound * triton.cdiv(N, config.BN)
     num_progs = _num_programs(a.device, bound)
@@ -933,6 +1087,8 @@ def launch_grouped_gemm(
         a_scales if fp8 else dummy,
         b_scales if fp8 else dummy,
         acc_scale if acc_scale is not None else dummy,
+        *(wgrad_codes.pointers(dummy) if wgrad_codes is not None else (dummy,) * 4),
+        wgrad_codes.P if wgrad_codes is not None else 0,
         M,
         N,
         K,
@@ -973,6 +1129,9 @@ def launch_grouped_gemm(
         FP8=fp8,
         ACC_SCALE=acc_scale is not None,
         B_SCALE_SCALAR=fp8 and 128 % config.BN == 0 and (not glu_gather or cfg.glu_interleave % config.BN == 0),
+        QUANT_G=wgrad_codes is not None and wgrad_codes.g_t is not None,
+        QUANT_Z=wgrad_codes is not None and wgrad_codes.z_t is not None,
+        POW2=wgrad_codes is not None and wgrad_codes.pow2,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -49,7 +49,7 @@ __all__ = [
 
 _FP8_BLOCK, _MXFP8, _NVFP4 = 0, 1, 2
 _ROWWISE, _COLWISE, _TILES = 1, 0, 2
-_FLT_MAX = 3.4028234663852886e38
+FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
 
 # --- element and scale arithmetic (fp32 in, integer codes out) ---------------------------------------
@@ -115,6 +115,16 @@ def fp8_block_scale(amax, POW2: tl.constexpr, VMAX: tl.constexpr):
         scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # 0xFF800000
     bad = (amax == 0.0) | (amax == float("inf")) | (amax != amax)
     return tl.where(bad, 1.0, scale)
+
+
+@triton.jit
+def fp8_block_columns(x, POW2: tl.constexpr, VMAX: tl.constexpr):
+    """fp8_block quantization of (R, C) fp32 values, one block per column (a weight-gradient
+    operand's 128-row blocks): e4m3 code bits (R, C) int32 and the (C,) fp32 dequantization scales
+    1/scale. Shared by _wgrad_kernel and the FC2_DGRAD epilogue (_grouped_gemm._store_wgrad_codes)."""
+    scale = fp8_block_scale(tl.max(abs_or_zero(x), axis=0), POW2, VMAX)
+    codes = e4m3_code(x * scale[None, :])
+    return codes, tl.div_rn(1.0 + tl.zeros_like(scale), scale)
 
 
 @triton.jit
@@ -492,14 +502,12 @@ def _wgrad_kernel(
             tl.store(codes_ptr + rp[:, None] * K + rk[None, :], (c0 | (c1 << 4)).to(tl.uint8), mask=(rk < K)[None, :])
             tl.store(scales_ptr + pid_b.to(tl.int64) * K + rk[None, :], s_code.to(tl.uint8), mask=(rk < K)[None, :])
     else:
-        amax = tl.max(abs_or_zero(x), axis=0)[None, :]
         if RECIPE == 0:
-            scale = fp8_block_scale(amax, POW2, VMAX)
-            codes = e4m3_code(x * scale)
-            scale_out = tl.div_rn(1.0 + tl.zeros_like(scale), scale)
+            codes, dequant = fp8_block_columns(x, POW2, VMAX)
+            scale_out = dequant[None, :]
             dequant = scale_out
         else:
-            e = e8m0_exponent(amax)
+            e = e8m0_exponent(tl.max(abs_or_zero(x), axis=0)[None, :])
             codes = e4m3_code(x * e8m0_quant_multiplier(e))
             scale_out = e.to(tl.uint8)
             dequant = e8m0_dequant_multiplier(e)
