@@ -74,16 +74,29 @@ def _grouped_mlp_fwd_op(
     scale_fc2_bias: bool,
     recipe: str,
     backend: str,
-) -> tuple[Tensor, Tensor]:
+    keep_dgrad: list[bool],
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """(y, h, saved). ``keep_dgrad`` [W1, W2]: the weights whose dgrad the backward will run; the
+    Triton backend under fp8_block returns their quantized dgrad operands in ``saved`` (codes_t and
+    tile scales of each weight, kernels._operands.saved_dgrad) for grouped_mlp_bwd, so that each
+    weight is quantized once per forward + backward. [] on the torch backend, under the other
+    recipes, and when nothing is kept."""
     cfg = _make_config(activation, activation_params, glu_interleave, scale_fc2_bias, recipe)
-    return _backend_module(backend).grouped_mlp_fwd(
-        x, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, cfg
-    )
+    args = (x, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, cfg)
+    if backend == "torch":
+        return (*reference.grouped_mlp_fwd(*args), [])
+    return _kernels().grouped_mlp_fwd(*args, keep_dgrad=tuple(keep_dgrad))
 
 
 @_grouped_mlp_fwd_op.register_fake
 def _(x, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *args):
-    return x.new_empty(x.shape), x.new_empty((x.shape[0], fc1_weight.shape[1]))
+    recipe, backend, keep_dgrad = args[-3:]
+    saved = []
+    if backend != "torch" and recipe:
+        from .kernels import _operands
+
+        saved = _operands.saved_dgrad_like((fc1_weight, fc2_weight), _recipes().from_key(recipe), keep_dgrad)
+    return x.new_empty(x.shape), x.new_empty((x.shape[0], fc1_weight.shape[1])), saved
 
 
 @torch.library.custom_op("moemlp::grouped_mlp_bwd", mutates_args=())
@@ -105,9 +118,14 @@ def _grouped_mlp_bwd_op(
     backend: str,
     needs: list[bool],
     wgrad_fp32: bool,
+    saved: list[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The six gradients; ``saved``: the forward op's, which the Triton backend reads instead of
+    quantizing the weights again (the torch backend has nothing to reuse: it gets none)."""
     cfg = _make_config(activation, activation_params, glu_interleave, scale_fc2_bias, recipe)
     kw = {"wgrad_dtype": torch.float32} if wgrad_fp32 else {}
+    if backend != "torch":
+        kw["saved"] = saved
     grads = _backend_module(backend).grouped_mlp_bwd(
         dy, x, h, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, cfg, tuple(needs), **kw
     )
@@ -121,7 +139,7 @@ def _grad_like(t: Optional[Tensor], need: bool, x: Tensor) -> Tensor:
 
 @_grouped_mlp_bwd_op.register_fake
 def _(dy, x, h, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *args):
-    needs, wgrad_fp32 = args[-2], args[-1]
+    needs, wgrad_fp32 = args[-3], args[-2]
     grads = [
         _grad_like(t, need, x)
         for t, need in zip((x, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias), needs)
@@ -176,8 +194,13 @@ class _GroupedMLPFunction(torch.autograd.Function):
         backend,
         recompute_fc1,
         accumulate_into_main_grad,
+        grad_enabled,
     ):
-        y, h = _grouped_mlp_fwd_op(
+        needs = _needs(ctx.needs_input_grad, probs, fc1_bias, fc2_bias) if grad_enabled else [False] * 6
+        # The weights whose dgrad backward runs: FC2_DGRAD feeds dx, dprobs, dW1, db1 and dW2 (z);
+        # FC1_DGRAD only dx. Their quantized operands come back in `saved` (fp8_block on Triton).
+        keep_dgrad = [needs[0], any(needs[:5])]
+        y, h, saved = _grouped_mlp_fwd_op(
             x,
             splits,
             probs,
@@ -191,11 +214,13 @@ class _GroupedMLPFunction(torch.autograd.Function):
             scale_fc2_bias,
             recipe_key,
             backend,
+            keep_dgrad,
         )
         # Kept for backward: x, h (compute dtype), probs and the weights; a and z are recomputed.
-        # With recompute_fc1, h is not kept either: backward runs FC1 again from x.
+        # With recompute_fc1, h is not kept either: backward runs FC1 again from x. Under fp8_block
+        # on Triton also the weights' dgrad codes (1 byte per element) and tile scales (saved).
         ctx.save_for_backward(x, None if recompute_fc1 else h, splits, probs, fc1_weight, fc2_weight,
-                              fc1_bias, fc2_bias)
+                              fc1_bias, fc2_bias, *saved)
         ctx.options = (activation, activation_params, glu_interleave, scale_fc2_bias, recipe_key, backend)
         ctx.recompute_fc1 = recompute_fc1
         # Parameters whose weight gradient goes into their fp32 .main_grad (Megatron-Core style).
@@ -204,12 +229,10 @@ class _GroupedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, h, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias = ctx.saved_tensors
+        x, h, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *saved = ctx.saved_tensors
         if ctx.recompute_fc1:
             h = _grouped_fc1_op(x, splits, fc1_weight, fc1_bias, *ctx.options)
-        n = ctx.needs_input_grad
-        needs = [n[0], n[2] and probs is not None, n[3], n[4], n[5] and fc1_bias is not None,
-                 n[6] and fc2_bias is not None]
+        needs = _needs(ctx.needs_input_grad, probs, fc1_bias, fc2_bias)
         dx, dprobs, dw1, dw2, db1, db2 = _grouped_mlp_bwd_op(
             dy.contiguous(),
             x,
@@ -223,6 +246,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
             *ctx.options,
             needs,
             ctx.main_grad_params is not None,
+            saved,
         )
         if ctx.main_grad_params is not None:
             dw1, dw2 = (_into_main_grad(w, dw) for w, dw in zip(ctx.main_grad_params, (dw1, dw2)))
@@ -244,7 +268,14 @@ class _GroupedMLPFunction(torch.autograd.Function):
             None,  # backend
             None,  # recompute_fc1
             None,  # accumulate_into_main_grad
+            None,  # grad_enabled
         )
+
+
+def _needs(n, probs, fc1_bias, fc2_bias) -> list[bool]:
+    """The gradients backward computes (dx, dprobs, dW1, dW2, db1, db2) from ctx.needs_input_grad."""
+    return [n[0], n[2] and probs is not None, n[3], n[4], n[5] and fc1_bias is not None,
+            n[6] and fc2_bias is not None]
 
 
 def _into_main_grad(weight: Tensor, dw: Tensor) -> Optional[Tensor]:
@@ -385,4 +416,7 @@ def grouped_mlp(
         be,
         recompute_fc1,
         accumulate_into_main_grad,
+        # In no_grad / inference_mode there is no backward, while ctx.needs_input_grad still
+        # reflects requires_grad: nothing is kept for a backward then.
+        torch.is_grad_enabled(),
     )

@@ -12,12 +12,17 @@ Backward, up to six:     FC2_DGRAD (dy @ W2, epilogue: dprobs partials, g_h, rou
 Under a recipe (SPEC §3) the same launches take quantized operands (_operands.py: fp8_block natively
 on FP8 tensor cores, mxfp8 / nvfp4 as exact emulation on bf16 values), plus the quantizer passes:
 FC1 stores z in fp32 and FC2_DGRAD stores g_h in fp32, the unrounded values the recipe quantizes
-(as reference.py), and the biases' gradients come from unquantized operands.
+(as reference.py), and the biases' gradients come from unquantized operands. Under fp8_block each
+weight is quantized once per forward + backward: ``grouped_mlp_fwd(..., keep_dgrad=(w1, w2))``
+quantizes a weight the backward's dgrad will read with both layouts and returns its K-major codes
+and tile scales (``saved``), which ``grouped_mlp_bwd(..., saved=saved)`` reads instead of
+quantizing again.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -72,8 +77,11 @@ def grouped_mlp_fwd(
     fc1_bias: Optional[Tensor],  # (E, N1)
     fc2_bias: Optional[Tensor],  # (E, H)
     cfg,  # MLPConfig
-) -> tuple[Tensor, Tensor]:
-    """Returns y (M, H) and h (M, N1), both in x.dtype; capacity rows are 0."""
+    keep_dgrad: Optional[tuple[bool, bool]] = None,  # (W1, W2): hand their dgrad operands to the backward
+) -> tuple[Tensor, ...]:
+    """Returns y (M, H) and h (M, N1), both in x.dtype; capacity rows are 0. With ``keep_dgrad``
+    also ``saved``, a list for ``grouped_mlp_bwd``: under fp8_block the codes_t (E, C, R) and
+    scales of each weight kept (empty tensors for one not kept), else [] (_operands.saved_dgrad)."""
     from . import _grouped_gemm as gg
 
     _check_recipe(cfg)
@@ -90,6 +98,15 @@ def grouped_mlp_fwd(
     E, N1, _ = fc1_weight.shape
     F = fc2_weight.shape[2]
     r = cfg.recipe
+    w1 = w2 = None
+    saved = []
+    if r is not None:
+        from . import _operands
+
+        w1, w2 = _operands.Weight(fc1_weight, r), _operands.Weight(fc2_weight, r)
+        # Before the GEMMs: a kept weight is quantized once with both layouts, its codes read here
+        # and dropped on return, its codes_t and scales returned for the backward's dgrad.
+        saved = _operands.saved_dgrad((w1, w2), r, keep_dgrad)
     h = torch.empty((M, N1), dtype=x.dtype, device=x.device)
     # round(a·p), FC2's input, freed on return; fp32 under a recipe, which quantizes the unrounded z
     z = torch.empty((M, F), dtype=x.dtype if r is None else torch.float32, device=x.device)
@@ -116,6 +133,7 @@ def grouped_mlp_fwd(
         store_z=True,
         store_partial=False,
         kind="fc1",
+        weight=w1,
     )
     # FC2: B[e] = W2[e]ᵀ, element (n, k) = W2[e, n, k], n over H, k over F.
     _gemm(
@@ -139,8 +157,9 @@ def grouped_mlp_fwd(
         store_z=False,
         store_partial=False,
         kind="fc2",
+        weight=w2,
     )
-    return y, h
+    return (y, h) if keep_dgrad is None else (y, h, saved)
 
 
 def _gemm(
@@ -245,8 +264,10 @@ def grouped_mlp_bwd(
     cfg,  # MLPConfig
     needs: tuple[bool, bool, bool, bool, bool, bool],  # dx, dprobs, dw1, dw2, db1, db2
     wgrad_dtype: Optional[torch.dtype] = None,  # dW1/dW2 dtype; None = the weights' (fp32 for main_grad)
+    saved: Sequence[Tensor] = (),  # grouped_mlp_fwd's saved (keep_dgrad): W1's and W2's dgrad operands
 ) -> tuple[Optional[Tensor], ...]:
-    """Returns (dx, dprobs, dfc1_weight, dfc2_weight, dfc1_bias, dfc2_bias); None where not needed."""
+    """Returns (dx, dprobs, dfc1_weight, dfc2_weight, dfc1_bias, dfc2_bias); None where not needed.
+    A weight the forward did not keep (``saved`` empty, or its pair empty) is quantized here."""
     from . import _grouped_gemm as gg
 
     _check_recipe(cfg)
@@ -280,8 +301,8 @@ def grouped_mlp_bwd(
     if r is not None:
         from . import _operands
 
-        w1 = _operands.Weight(fc1_weight, r)  # quantized once, for the dgrad only here
-        w2 = _operands.Weight(fc2_weight, r)
+        # the forward's quantization where it kept one, else quantized once, for the dgrad only here
+        w1, w2 = _operands.dgrad_weights((fc1_weight, fc2_weight), r, saved)
     wgrad_config = gg.default_config("wgrad", 0, 0, cfg.glu, x.element_size())
     if need_g_h or need_dprobs or need_dw2:
         # One FC2 dgrad pass gives every consumer of g_z: dprobs partials, g_h, and round(z) for

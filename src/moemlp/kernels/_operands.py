@@ -5,10 +5,14 @@ Every GEMM of the MLP quantizes both operands along its reduction dim. Two ways 
 
 * native (fp8_block): e4m3 codes and fp32 block scales go to the FP8 mode of
   ``_grouped_gemm_kernel`` (forward and dgrad GEMMs) and to ``_fp8_wgrad`` (weight gradients); the
-  partial sums are promoted every 128-deep step. Weights are quantized once per call in 128×128
-  tiles, which serve both the forward (rows n, reduction k) and the dgrad (the same tiles read
-  transposed): the dgrad takes a K-major copy of the codes, since Hopper's e4m3 wgmma reads both
-  operands K-major.
+  partial sums are promoted every 128-deep step. Weights are quantized in 128×128 tiles, which
+  serve both the forward (rows n, reduction k) and the dgrad (the same tiles read transposed): the
+  dgrad takes a K-major copy of the codes (``codes_t``), since Hopper's e4m3 wgmma reads both
+  operands K-major, stored by the same quantizer pass. Once per forward + backward: a forward whose
+  backward will run a weight's dgrad quantizes it with both layouts, reads the codes and returns
+  codes_t and the scales (``saved_dgrad``, 1 byte + 1/16384 fp32 per element, kept until the
+  backward); the backward builds its Weight from them (``dgrad_weights``) and quantizes only a
+  weight the forward did not keep.
 * emulated (mxfp8, nvfp4): each operand becomes its dequantized values code·block_scale in bf16
   (``quantize.dequantized*``), and the bf16 kernels run on them; nvfp4's per-tensor factors
   (1/S_enc of each operand) multiply the fp32 accumulator (ACC_SCALE) before any epilogue. Exact
@@ -22,6 +26,7 @@ Nothing here reads a tensor's values on the host.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -77,19 +82,48 @@ def act(t: Tensor, recipe) -> ActOperand:
 class Weight:
     """One expert weight (E, R, C) of the MLP (W1: (E, N1, H), W2: (E, H, F)), prepared lazily for
     the forward GEMM (B(n, k) = W[e, n, k]: reduction over C) and the dgrad GEMM (B(n, k) =
-    W[e, k, n]: reduction over R)."""
+    W[e, k, n]: reduction over R).
 
-    def __init__(self, w: Tensor, recipe):
+    ``quantized``: w's fp8_block tiles quantized already (``quantize_weight(w, recipe)``, with
+    ``codes_t`` for the dgrad), checked against w; ``from_saved`` builds one from a forward's
+    ``saved()``."""
+
+    def __init__(self, w: Tensor, recipe, quantized=None):
         self.w = w
         self.recipe = recipe
-        self._q = None
+        if quantized is not None:
+            _check_tiles(w, recipe, quantized.codes, quantized.codes_t, quantized.scales)
+        self._q = quantized
+
+    @classmethod
+    def from_saved(cls, w: Tensor, recipe, codes_t: Tensor, scales: Tensor) -> Weight:
+        """w with the dgrad operand that a forward kept of it (``saved()``): codes_t (E, C, R)
+        float8_e4m3fn and scales (E, ⌈R/128⌉, ⌈C/128⌉) fp32. Its codes are codes_t's transposed
+        view: the dgrad reads codes_t alone; ``forward()`` quantizes again (the GEMM takes
+        contiguous codes)."""
+        from ..recipes import QuantizedTensor, fp8_block
+
+        _check_tiles(w, recipe, None, codes_t, scales)
+        q = QuantizedTensor(
+            codes=codes_t.transpose(-1, -2), scales=scales, shape=tuple(w.shape), axis=-1, block=(128, 128),
+            _dequantize=fp8_block._dequantize_tiles, codes_t=codes_t,
+        )  # fmt: skip
+        return cls(w, recipe, q)
 
     def _quantized(self, transposed: bool):
         """fp8_block's tiles, with the transposed codes when the dgrad asks (one quantizer pass
         either way: the tile kernel stores both layouts)."""
-        if self._q is None or (transposed and self._q.codes_t is None):
+        q = self._q
+        if q is None or (transposed and q.codes_t is None) or (not transposed and not q.codes.is_contiguous()):
             self._q = kq.quantize_weight(self.w, self.recipe, transposed=transposed)
         return self._q
+
+    def saved(self) -> list[Tensor]:
+        """[codes_t, scales]: the dgrad operand of this weight for a later call (fp8_block). Before
+        ``forward()`` this quantizes with both layouts, so the forward GEMM reads the codes of the
+        same pass."""
+        q = self._quantized(transposed=True)
+        return [q.codes_t, q.scales]
 
     def forward(self) -> WeightOperand:
         E, R, C = self.w.shape
@@ -113,6 +147,89 @@ class Weight:
             self.w, self.recipe, dim=-2, out_dtype=torch.bfloat16, tiny_blocks_exact=False
         )
         return WeightOperand(values, (R * C, 1, C), factor=factor)
+
+
+def _tiles(n: int) -> int:
+    """128-wide weight tiles along a dim of n."""
+    return -(-n // 128)
+
+
+def _check_tiles(w: Tensor, recipe, codes: Optional[Tensor], codes_t: Optional[Tensor], scales: Tensor) -> None:
+    """fp8_block tiles of w (E, R, C) as quantize_weight stores them, or an error naming what differs."""
+    if not is_native(recipe):
+        raise ValueError(f"recipe: a Weight takes quantized tiles under fp8_block only, got {recipe!r}")
+    if w.dim() != 3:
+        raise ValueError(f"w: expected an (E, R, C) expert weight, got shape {tuple(w.shape)}")
+    E, R, C = w.shape
+    expected = (
+        ("codes", codes, (E, R, C), torch.float8_e4m3fn),
+        ("codes_t", codes_t, (E, C, R), torch.float8_e4m3fn),
+        ("scales", scales, (E, _tiles(R), _tiles(C)), torch.float32),
+    )
+    for name, t, shape, dtype in expected:
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape} for a weight of shape {(E, R, C)}, got {tuple(t.shape)}")
+        if t.dtype != dtype or t.device != w.device:
+            raise TypeError(f"{name}: expected {dtype} on {w.device}, got {t.dtype} on {t.device}")
+        if name != "codes" and not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def _kept(recipe, keep: Optional[Sequence[bool]]) -> Optional[tuple[bool, ...]]:
+    """Which weights hand their dgrad operand from the forward to the backward; None: no list at
+    all. fp8_block only: its tiles serve both GEMMs, the emulated recipes dequantize each
+    orientation from the weight separately."""
+    if recipe is None or not is_native(recipe) or keep is None or not any(keep):
+        return None
+    return tuple(bool(k) for k in keep)
+
+
+def _not_kept(w: Tensor) -> list[Tensor]:
+    return [w.new_empty(0, dtype=torch.float8_e4m3fn), w.new_empty(0, dtype=torch.float32)]
+
+
+def saved_dgrad(weights: Sequence[Weight], recipe, keep: Optional[Sequence[bool]]) -> list[Tensor]:
+    """What a forward hands its backward (``dgrad_weights``) of ``weights`` (W1, W2): [] when it
+    keeps nothing, else two tensors per weight, ``Weight.saved()`` where ``keep`` says so and two
+    empty tensors where it does not. Call it before the forward GEMMs (one quantizer pass)."""
+    kept = _kept(recipe, keep)
+    if kept is None:
+        return []
+    if len(kept) != len(weights):
+        raise ValueError(f"keep: expected one flag per weight ({len(weights)}), got {len(kept)}")
+    return [t for w, k in zip(weights, kept) for t in (w.saved() if k else _not_kept(w.w))]
+
+
+def saved_dgrad_like(weights: Sequence[Tensor], recipe, keep: Optional[Sequence[bool]]) -> list[Tensor]:
+    """Empty tensors of ``saved_dgrad``'s structure, shapes and dtypes (the forward op's fake)."""
+    kept = _kept(recipe, keep)
+    if kept is None:
+        return []
+    out = []
+    for w, k in zip(weights, kept):
+        if not k:
+            out += _not_kept(w)
+            continue
+        E, R, C = w.shape
+        out += [
+            w.new_empty((E, C, R), dtype=torch.float8_e4m3fn),
+            w.new_empty((E, _tiles(R), _tiles(C)), dtype=torch.float32),
+        ]
+    return out
+
+
+def dgrad_weights(ws: Sequence[Tensor], recipe, saved: Sequence[Tensor]) -> list[Weight]:
+    """One Weight per tensor of ``ws`` for the backward: from the forward's ``saved_dgrad`` where it
+    kept one (checked against the weight), else quantized on first use."""
+    if not saved:
+        return [Weight(w, recipe) for w in ws]
+    if len(saved) != 2 * len(ws):
+        raise ValueError(f"saved: expected codes_t and scales of each of {len(ws)} weights, got {len(saved)} tensors")
+    pairs = [saved[2 * i : 2 * i + 2] for i in range(len(ws))]
+    # An empty pair is a weight the forward did not keep (an empty weight quantizes to nothing anyway).
+    return [Weight.from_saved(w, recipe, *p) if p[0].numel() else Weight(w, recipe) for w, p in zip(ws, pairs)]
 
 
 def gemm_kwargs(a: ActOperand, b: WeightOperand) -> dict:
