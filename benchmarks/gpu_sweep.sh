@@ -2,13 +2,15 @@
 # One device call: GPU tests in parallel groups (each with its own time limit, failures listed with
 # one line each), then the benches, one at a time. Logs, CSV and PNG under $OUT; short tables last.
 # Usage (device): bash benchmarks/gpu_sweep.sh [PART,PART...]   PART: tests bf16tests precision bench
-#   parts recipes; default tests,parts (~6 min on a cold H200), then a second call with recipes.
+#   recipes parts, run in that order; default tests,recipes,parts. A part whose time limit would
+#   pass DEADLINE seconds from the start (default 590: the device's 600 s per call) is skipped.
 # A cold H200 spends most of a test group's time compiling kernels (one Triton compile per recipe,
 # dtype and constexpr set): run one after another, the groups ran past 600 s (2026-11-30), so they
 # run side by side here (16 CPU cores) and the benches run alone after them.
 set -uo pipefail
 OUT=${OUT:-/tmp/moemlp-out}
-WHAT=,${1:-tests,parts},
+WHAT=,${1:-tests,recipes,parts},
+DEADLINE=${DEADLINE:-590}
 mkdir -p "$OUT"
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
@@ -23,22 +25,26 @@ group() {  # name, time limit (s), pytest arguments...  (runs in the background)
   grep -E '^FAILED' "$OUT/tests_$name.log" | head -8 >> "$OUT/tests_$name.sum"
 }
 has() { [[ $WHAT == *,$1,* ]]; }
+fits() {  # part name, its time limit: whether it can still finish before DEADLINE
+  if (( SECONDS + $2 > DEADLINE )); then echo "[$1] skipped: ${SECONDS} s gone, limit $2 s, deadline ${DEADLINE} s"; return 1; fi
+}
 
 if has tests || has bf16tests; then
   start=$(date +%s)
   if has bf16tests; then
-    group bf16 280 tests/test_triton_backend.py tests/test_gpu_reference.py tests/test_training_options.py \
+    group bf16 ${TEST_LIMIT:-230} tests/test_triton_backend.py tests/test_gpu_reference.py tests/test_training_options.py \
       tests/test_contract_triton.py &
-    group moe 280 tests/test_moe.py tests/test_dispatch.py tests/test_router.py &
+    group moe ${TEST_LIMIT:-230} tests/test_moe.py tests/test_dispatch.py tests/test_router.py &
   fi
   if has tests; then
-    group recipes_mlp 280 tests/test_recipes_triton.py &
-    group recipes_gemm 280 tests/test_fp8_gemm.py tests/test_fp8_wgrad.py tests/test_recipes.py &
-    group quant_fp8 280 tests/test_quantize_triton.py -k "gpu and fp8_block" &
-    group quant_mx 280 tests/test_quantize_triton.py -k "gpu and mxfp8" &
-    group quant_nv 280 tests/test_quantize_triton.py -k "gpu and nvfp4" &
-    group quant_rest 280 tests/test_quantize_triton.py -k "not (gpu and (fp8_block or mxfp8 or nvfp4))" &
-    group dequant 280 tests/test_dequantized_triton.py &
+    group recipes_mlp ${TEST_LIMIT:-230} tests/test_recipes_triton.py &
+    group recipes_gemm ${TEST_LIMIT:-230} tests/test_fp8_gemm.py tests/test_fp8_wgrad.py tests/test_recipes.py tests/test_wgrad_codes.py \
+      tests/test_weight_reuse_triton.py &
+    group quant_fp8 ${TEST_LIMIT:-230} tests/test_quantize_triton.py -k "gpu and fp8_block" &
+    group quant_mx ${TEST_LIMIT:-230} tests/test_quantize_triton.py -k "gpu and mxfp8" &
+    group quant_nv ${TEST_LIMIT:-230} tests/test_quantize_triton.py -k "gpu and nvfp4" &
+    group quant_rest ${TEST_LIMIT:-230} tests/test_quantize_triton.py -k "not (gpu and (fp8_block or mxfp8 or nvfp4))" &
+    group dequant ${TEST_LIMIT:-230} tests/test_dequantized_triton.py &
   fi
   wait
   cat "$OUT"/tests_*.sum
@@ -46,17 +52,17 @@ if has tests || has bf16tests; then
   # only the tail of each log comes back (the full ones can be too long to return)
   for f in "$OUT"/tests_*.log; do tail -150 "$f" > "$f.tail"; rm "$f"; done
 fi
-if has precision; then
+if has precision && fits precision 60; then
   timeout 60 python3 -m moemlp precision --out "$OUT" > "$OUT/precision.log" 2>&1; tail -7 "$OUT/precision.log"
 fi
-if has bench; then
+if has bench && fits bench 150; then
   timeout 150 python3 -m moemlp bench --rep-ms 100 --out "$OUT" > "$OUT/bench.log" 2>&1; tail -8 "$OUT/bench.log"
 fi
-if has parts; then
-  timeout 100 python3 benchmarks/bench_recipe_parts.py --out "$OUT" > "$OUT/parts.log" 2>&1
-  grep -v Warn "$OUT/parts.log" | tail -45
-fi
-if has recipes; then
-  timeout 240 python3 -m moemlp bench --recipes --rep-ms 50 --out "$OUT" > "$OUT/bench_recipes.log" 2>&1
+if has recipes && fits recipes 230; then
+  timeout 230 python3 -m moemlp bench --recipes --rep-ms 50 --out "$OUT" > "$OUT/bench_recipes.log" 2>&1
   tail -9 "$OUT/bench_recipes.log"
+fi
+if has parts && fits parts 60; then
+  timeout $(( DEADLINE - SECONDS )) python3 benchmarks/bench_recipe_parts.py --out "$OUT" > "$OUT/parts.log" 2>&1
+  grep -v Warn "$OUT/parts.log" | tail -45
 fi

@@ -73,7 +73,18 @@ def _problems():
 @interpreted
 @pytest.mark.parametrize("case", [0, 1])
 def test_cpu_saved_gives_the_bits_of_quantizing_again(case):
+    check_saved(case, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [0, 1])
+def test_gpu_saved_gives_the_bits_of_quantizing_again(case):
+    check_saved(case, "cuda")
+
+
+def check_saved(case, device):
     t, cfg = list(_problems())[case]
+    t = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in t.items()}
     cfg = with_recipe(cfg, FP8)
     args = (t["splits"], t["probs"], t["fc1_weight"], t["fc2_weight"], t["fc1_bias"], t["fc2_bias"])
     y0, h0 = K.grouped_mlp_fwd(t["x"], *args, cfg)  # no keep_dgrad: (y, h) as before

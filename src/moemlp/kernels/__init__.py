@@ -12,7 +12,8 @@ Backward, up to six:     FC2_DGRAD (dy @ W2, epilogue: dprobs partials, g_h, rou
 Under a recipe (SPEC §3) the same launches take quantized operands (_operands.py: fp8_block natively
 on FP8 tensor cores, mxfp8 / nvfp4 as exact emulation on bf16 values), plus the quantizer passes:
 FC1 stores z in fp32 and FC2_DGRAD stores g_h in fp32, the unrounded values the recipe quantizes
-(as reference.py), and the biases' gradients come from unquantized operands. Under fp8_block each
+(as reference.py), and the biases' gradients come from unquantized operands. Under fp8_block the
+FC2_DGRAD epilogue also quantizes g_h and z for dW1 / dW2 itself (``_grouped_gemm.WgradCodes``). Under fp8_block each
 weight is quantized once per forward + backward: ``grouped_mlp_fwd(..., keep_dgrad=(w1, w2))``
 quantizes a weight the backward's dgrad will read with both layouts and returns its K-major codes
 and tile scales (``saved``), which ``grouped_mlp_bwd(..., saved=saved)`` reads instead of
@@ -186,10 +187,12 @@ def _gemm(
     kind,
     weight=None,
     config=None,
+    wgrad_codes=None,
 ):
     """One grouped-GEMM launch: a @ B with B(n, k) = w[e, n, k] ("forward") or w[e, k, n] ("dgrad"),
     strides those of w read that way; under cfg.recipe both operands quantized first (_operands.py).
-    ``weight``: an _operands.Weight of w to reuse its quantization across GEMMs."""
+    ``weight``: an _operands.Weight of w to reuse its quantization across GEMMs. ``wgrad_codes``:
+    _grouped_gemm.WgradCodes for the FC2_DGRAD epilogue under fp8_block."""
     from . import _grouped_gemm as gg
 
     r = cfg.recipe
@@ -206,7 +209,8 @@ def _gemm(
     gg.launch_grouped_gemm(
         epilogue, a, w, strides, splits, probs, bias, out, z, h, partial,
         N=N, K=K, N1=N1, cfg=cfg, scale_bias=scale_bias, store_z=store_z, store_partial=store_partial,
-        config=config or gg.default_config(kind, N, K, cfg.glu, a.element_size(), fp8=fp8), **extra,
+        config=config or gg.default_config(kind, N, K, cfg.glu, a.element_size(), fp8=fp8), wgrad_codes=wgrad_codes,
+        **extra,
     )  # fmt: skip
 
 
@@ -310,8 +314,14 @@ def grouped_mlp_bwd(
         elem = 2 if r is not None else x.element_size()  # recipes: e4m3 codes or bf16 values
         dgrad_config = gg.default_config("fc2_dgrad", F, H, cfg.glu, elem, fp8=_native(r))
         num_parts = _cdiv(F, dgrad_config.BN)
+        codes = None
+        if _native(r) and (need_dw1 or need_dw2) and gg.fp8_epilogue_blocks_ok(dgrad_config, H):
+            # fp8_block: the epilogue also quantizes g_h and z for dW1 / dW2 from the fp32 values it
+            # holds (its 128-row tiles are the wgrad layout's blocks): no quantize_wgrad pass re-reads
+            # them, and z is not stored at all
+            codes = gg.WgradCodes.empty(M, E, N1, F, r.pow2_scales, g=need_dw1, z=need_dw2, device=device)
         g_h = torch.empty((M, N1), dtype=inter, device=device)
-        z = torch.empty((M, F), dtype=inter, device=device) if need_dw2 else None
+        z = torch.empty((M, F), dtype=inter, device=device) if need_dw2 and codes is None else None
         partial = torch.empty((num_parts, M), dtype=torch.float32, device=device) if need_dprobs else None
         # g_z = dy @ W2[e]: element (n, k) = W2[e, k, n], n over F, k over H.
         _gemm(
@@ -337,6 +347,7 @@ def grouped_mlp_bwd(
             kind="fc2_dgrad",
             weight=w2,
             config=dgrad_config,
+            wgrad_codes=codes,
         )
         if need_dprobs:
             dprobs = torch.empty((M,), dtype=probs.dtype, device=device)
@@ -382,12 +393,16 @@ def grouped_mlp_bwd(
                 gg.launch_grouped_wgrad(dy, z, splits, probs, dw2, db2, cfg.scale_fc2_bias, wgrad_config)
         else:
             if need_dw1:
-                dw1 = _operands.wgrad(g_h, x, splits, r, wgrad_dtype or fc1_weight.dtype, wgrad_config)
+                g_kmajor = (codes.g_t, codes.g_s) if codes is not None else None
+                dw1 = _operands.wgrad(g_h, x, splits, r, wgrad_dtype or fc1_weight.dtype, wgrad_config, g_kmajor)
             if need_db1:
                 db1 = torch.empty_like(fc1_bias)
                 gg.launch_grouped_wgrad(g_h.to(x.dtype), None, splits, None, None, db1, False, wgrad_config)
             if need_dw2:
-                dw2 = _operands.wgrad(dy, z, splits, r, wgrad_dtype or fc2_weight.dtype, wgrad_config)
+                z_kmajor = (codes.z_t, codes.z_s) if codes is not None else None
+                dw2 = _operands.wgrad(
+                    dy, z, splits, r, wgrad_dtype or fc2_weight.dtype, wgrad_config, x_kmajor=z_kmajor
+                )
     if need_db2 and db2 is None:
         db2 = torch.empty_like(fc2_bias)
         gg.launch_grouped_wgrad(dy, None, splits, probs, None, db2, cfg.scale_fc2_bias, wgrad_config)
