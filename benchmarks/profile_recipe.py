@@ -1,0 +1,66 @@
+"""Per-kernel GPU time of one grouped-MLP forward + backward, by recipe (torch.profiler), on one
+ANCHORS.md shape: where the time between the bf16 path and a recipe goes, launch by launch.
+
+    PYTHONPATH=src python3 benchmarks/profile_recipe.py [--shape mixtral-8x7b] [--recipes bf16,fp8_block]
+
+Prints, per recipe, each kernel's GPU time per step (ms, summed over its launches) and launch
+count, largest first, and the step total; warm-up steps run first, then ``--steps`` profiled ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from moemlp.functional import grouped_mlp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import SHAPES, problem  # noqa: E402
+
+
+def profile(shape: str, recipe: str | None, steps: int) -> list[tuple[str, float, int]]:
+    H, F, E, top_k, tokens = SHAPES[shape]
+    x, splits, probs, w1, w2 = problem(H, F, E, top_k, tokens)[:5]
+    x, probs, w1, w2 = (t.detach().requires_grad_() for t in (x, probs, w1, w2))
+    dy = torch.randn_like(x)
+
+    def step():
+        y = grouped_mlp(x, splits, probs, w1, w2, recipe=recipe)
+        y.backward(dy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = ev.cuda_time_total
+        if t > 0:
+            rows.append((ev.key, t / 1e3 / steps, ev.count // steps))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="mixtral-8x7b")
+    p.add_argument("--recipes", default="bf16,fp8_block,mxfp8,nvfp4")
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
+    for name in args.recipes.split(","):
+        rows = profile(args.shape, None if name == "bf16" else name, args.steps)
+        total = sum(r[1] for r in rows)
+        print(f"\n== {args.shape} {name}: {total:.2f} ms of kernels per fwd+bwd step", flush=True)
+        for key, ms, n in rows[:16]:
+            print(f"{ms:8.3f} ms {n:3d}x  {key[:90]}")
+
+
+if __name__ == "__main__":
+    main()
