@@ -5,6 +5,8 @@ ANCHORS.md shape: where the time between the bf16 path and a recipe goes, launch
 
 Prints, per recipe, each kernel's GPU time per step (ms, summed over its launches) and launch
 count, largest first, and the step total; warm-up steps run first, then ``--steps`` profiled ones.
+``--trace`` also prints the launches of one step in order (≥ 0.05 ms), which tells the GEMMs of one
+kernel apart (FC1, FC2, FC2_DGRAD, FC1_DGRAD of ``_grouped_gemm_kernel``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import SHAPES, problem  # noqa: E402
 
 
-def profile(shape: str, recipe: str | None, steps: int) -> list[tuple[str, float, int]]:
+def profile(shape: str, recipe: str | None, steps: int, trace: bool = False) -> list[tuple[str, float, int]]:
     H, F, E, top_k, tokens = SHAPES[shape]
     x, splits, probs, w1, w2 = problem(H, F, E, top_k, tokens)[:5]
     x, probs, w1, w2 = (t.detach().requires_grad_() for t in (x, probs, w1, w2))
@@ -38,6 +40,15 @@ def profile(shape: str, recipe: str | None, steps: int) -> list[tuple[str, float
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    if trace:  # every kernel of the last step, in launch order
+        kernels = [ev for ev in prof.events() if str(ev.device_type).endswith("CUDA")]
+        kernels.sort(key=lambda ev: ev.time_range.start)
+        per_step = len(kernels) // steps
+        print(f"\n-- {shape} {recipe or 'bf16'}: the launches of one step, in order", flush=True)
+        for ev in kernels[-per_step:]:
+            ms = ev.time_range.elapsed_us() / 1e3
+            if ms >= 0.05:
+                print(f"{ms:8.3f} ms  {ev.name[:60]}")
     rows = []
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None)
@@ -53,9 +64,10 @@ def main():
     p.add_argument("--shape", default="mixtral-8x7b")
     p.add_argument("--recipes", default="bf16,fp8_block,mxfp8,nvfp4")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--trace", action="store_true", help="also every launch of one step, in order")
     args = p.parse_args()
     for name in args.recipes.split(","):
-        rows = profile(args.shape, None if name == "bf16" else name, args.steps)
+        rows = profile(args.shape, None if name == "bf16" else name, args.steps, args.trace)
         total = sum(r[1] for r in rows)
         print(f"\n== {args.shape} {name}: {total:.2f} ms of kernels per fwd+bwd step", flush=True)
         for key, ms, n in rows[:16]:

@@ -13,7 +13,8 @@ Under a recipe (SPEC §3) the same launches take quantized operands (_operands.p
 on FP8 tensor cores, mxfp8 / nvfp4 as exact emulation on bf16 values), plus the quantizer passes:
 FC1 stores z in fp32 and FC2_DGRAD stores g_h in fp32, the unrounded values the recipe quantizes
 (as reference.py), and the biases' gradients come from unquantized operands. Under fp8_block the
-FC2_DGRAD epilogue also quantizes g_h and z for dW1 / dW2 itself (``_grouped_gemm.WgradCodes``). Under fp8_block each
+FC2_DGRAD epilogue can also quantize g_h and z for dW1 / dW2 itself (``_grouped_gemm.WgradCodes``;
+off by default, ``FUSE_WGRAD_CODES`` says why). Under fp8_block each
 weight is quantized once per forward + backward: ``grouped_mlp_fwd(..., keep_dgrad=(w1, w2))``
 quantizes a weight the backward's dgrad will read with both layouts and returns its K-major codes
 and tile scales (``saved``), which ``grouped_mlp_bwd(..., saved=saved)`` reads instead of
@@ -315,10 +316,10 @@ def grouped_mlp_bwd(
         dgrad_config = gg.default_config("fc2_dgrad", F, H, cfg.glu, elem, fp8=_native(r))
         num_parts = _cdiv(F, dgrad_config.BN)
         codes = None
-        if _native(r) and (need_dw1 or need_dw2) and gg.fp8_epilogue_blocks_ok(dgrad_config, H):
+        if gg.FUSE_WGRAD_CODES and _native(r) and (need_dw1 or need_dw2) and gg.fp8_epilogue_blocks_ok(dgrad_config, H):
             # fp8_block: the epilogue also quantizes g_h and z for dW1 / dW2 from the fp32 values it
             # holds (its 128-row tiles are the wgrad layout's blocks): no quantize_wgrad pass re-reads
-            # them, and z is not stored at all
+            # them, and z is not stored at all. Off by default: measured slower (FUSE_WGRAD_CODES).
             codes = gg.WgradCodes.empty(M, E, N1, F, r.pow2_scales, g=need_dw1, z=need_dw2, device=device)
         g_h = torch.empty((M, N1), dtype=inter, device=device)
         z = torch.empty((M, F), dtype=inter, device=device) if need_dw2 and codes is None else None

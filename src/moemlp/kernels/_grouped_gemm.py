@@ -951,6 +951,14 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+# Whether the grouped MLP's backward has FC2_DGRAD quantize g_h and z for the fp8 wgrads in its
+# epilogue (WgradCodes). Off: on the H200 (triton 3.6, 2026-11-30, benchmarks/bench_fc2_dgrad_fp8.py)
+# the launch took 19.8 ms with it against 4.5 ms storing fp32 g_h and z (mixtral-8x7b; deepseek-v3
+# 6.19 vs 1.74), far more than the quantize_wgrad passes it saves (~3 ms). Suspected, not yet
+# measured: the transposed byte stores of the codes from the MMA layout (benchmarks/NOTES.md).
+FUSE_WGRAD_CODES = False
+
+
 @dataclass
 class WgradCodes:
     """fp8_block weight-gradient operands that the FC2_DGRAD epilogue quantizes from its fp32 values
