@@ -125,3 +125,35 @@ def test_wgrad_codes_refuse_bad_buffers():
         codes.check(300, 5, 64, 32)  # P of another expert count
     with pytest.raises(ValueError, match="neither"):
         gg.WgradCodes(None, None, None, None, True).check(300, 4, 64, 32)
+
+
+@interpreted
+def test_cpu_backward_with_the_epilogue_codes_gives_the_same_bits(monkeypatch):
+    # The backward's wiring of WgradCodes (off by default: _grouped_gemm.FUSE_WGRAD_CODES says why)
+    # gives the gradients of the quantize_wgrad path bit for bit: the same codes, the same kernels.
+    from test_triton_backend import make
+
+    from moemlp import kernels as K
+    from moemlp.kernels import _grouped_gemm as gg
+
+    t, cfg = make([150, 0, 37, 140], 128, 64, M=340)
+    cfg = MLPConfig(cfg.activation, cfg.activation_params, cfg.glu_interleave, cfg.scale_fc2_bias,
+                    recipe("fp8_block"))  # fmt: skip
+    args = (t["splits"], t["probs"], t["fc1_weight"], t["fc2_weight"], t["fc1_bias"], t["fc2_bias"])
+    _, h = K.grouped_mlp_fwd(t["x"], *args, cfg)
+    needs = (True, True, True, True, True, True)
+    seen = []
+    launch = gg.launch_grouped_gemm
+
+    def spy(*a, **kw):
+        seen.append(kw.get("wgrad_codes") is not None)
+        return launch(*a, **kw)
+
+    monkeypatch.setattr(gg, "launch_grouped_gemm", spy)
+    monkeypatch.setattr(gg, "FUSE_WGRAD_CODES", False)
+    before = K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, needs)
+    monkeypatch.setattr(gg, "FUSE_WGRAD_CODES", True)
+    after = K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, needs)
+    assert seen.count(True) == 1 and not any(seen[: len(seen) // 2]), seen  # FC2_DGRAD of the second run
+    for a, b in zip(before, after):
+        assert torch.equal(a, b)
