@@ -14,9 +14,9 @@ def test_readme_example_runs():
     assert scope["y"].shape == (10, 64)
 
 
-def test_readme_recipe_and_moe_examples_run():
+def test_readme_recipe_accumulation_and_moe_examples_run():
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) >= 3
-    for block in blocks[1:3]:
+    assert len(blocks) >= 4  # the recipe, gradient-accumulation and MoE examples
+    for block in blocks[1:]:
         exec(compile(block, "README.md", "exec"), {})

@@ -211,16 +211,16 @@ def test_cpu_opcheck_forward_op():
     inputs, opts = _op_args(t, FP8)
     fwd = torch.ops.moemlp.grouped_mlp_fwd
     for keep in ([True, True], [False, True], [False, False]):
-        torch.library.opcheck(fwd, inputs + opts + (keep,))
-    torch.library.opcheck(fwd, inputs + _op_args(t, "mxfp8")[1] + ([True, True],))
-    torch.library.opcheck(fwd, inputs + _op_args(t, FP8, "torch")[1] + ([True, True],))
+        torch.library.opcheck(fwd, inputs + opts + (keep, []))
+    torch.library.opcheck(fwd, inputs + _op_args(t, "mxfp8")[1] + ([True, True], []))
+    torch.library.opcheck(fwd, inputs + _op_args(t, FP8, "torch")[1] + ([True, True], []))
 
 
 @interpreted
 def test_cpu_opcheck_backward_op():
     t, _ = _small()
     inputs, opts = _op_args(t, FP8)
-    _, h, saved = torch.ops.moemlp.grouped_mlp_fwd(*inputs, *opts, [True, True])
+    _, h, saved = torch.ops.moemlp.grouped_mlp_fwd(*inputs, *opts, [True, True], [])
     args = (t["dy"], t["x"], h, *inputs[1:], *opts, [True] * 6, False, saved)
     # test_schema compares every input before and after with allclose, which the CPU does not
     # implement for float8_e4m3fn (torch 2.13); that saved is not mutated is checked on its bytes.

@@ -75,24 +75,32 @@ def _grouped_mlp_fwd_op(
     recipe: str,
     backend: str,
     keep_dgrad: list[bool],
+    quantized_weights: list[Tensor],
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """(y, h, saved). ``keep_dgrad`` [W1, W2]: the weights whose dgrad the backward will run; the
     Triton backend under fp8_block returns their quantized dgrad operands in ``saved`` (codes_t and
     tile scales of each weight, kernels._operands.saved_dgrad) for grouped_mlp_bwd, so that each
     weight is quantized once per forward + backward. [] on the torch backend, under the other
-    recipes, and when nothing is kept."""
+    recipes, and when nothing is kept.
+
+    ``quantized_weights``: [] or ``QuantizedWeights.tensors()`` (fp8_block, Triton): the GEMMs read
+    those codes and nothing is quantized; ``saved`` is [] then, since an op's output may not alias
+    its input: _GroupedMLPFunction hands the cached codes_t and scales to the backward itself. The
+    torch backend ignores them (its qdq_weight of the same unchanged weights gives the same values)."""
     cfg = _make_config(activation, activation_params, glu_interleave, scale_fc2_bias, recipe)
     args = (x, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, cfg)
     if backend == "torch":
         return (*reference.grouped_mlp_fwd(*args), [])
+    if quantized_weights:
+        return (*_kernels().grouped_mlp_fwd(*args, quantized=quantized_weights), [])
     return _kernels().grouped_mlp_fwd(*args, keep_dgrad=tuple(keep_dgrad))
 
 
 @_grouped_mlp_fwd_op.register_fake
 def _(x, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *args):
-    recipe, backend, keep_dgrad = args[-3:]
+    recipe, backend, keep_dgrad, quantized_weights = args[-4:]
     saved = []
-    if backend != "torch" and recipe:
+    if backend != "torch" and recipe and not quantized_weights:
         from .kernels import _operands
 
         saved = _operands.saved_dgrad_like((fc1_weight, fc2_weight), _recipes().from_key(recipe), keep_dgrad)
@@ -161,10 +169,14 @@ def _grouped_fc1_op(
     scale_fc2_bias: bool,
     recipe: str,
     backend: str,
+    fc1_quantized: list[Tensor],
 ) -> Tensor:
-    """h alone, recomputed in backward when recompute_fc1=True (forward kept only x)."""
+    """h alone, recomputed in backward when recompute_fc1=True (forward kept only x).
+    ``fc1_quantized``: [] or W1's codes, codes_t and scales from quantize_weights (Triton only)."""
     cfg = _make_config(activation, activation_params, glu_interleave, scale_fc2_bias, recipe)
-    return _backend_module(backend).grouped_fc1(x, splits, fc1_weight, fc1_bias, cfg)
+    if backend == "torch":
+        return reference.grouped_fc1(x, splits, fc1_weight, fc1_bias, cfg)
+    return _kernels().grouped_fc1(x, splits, fc1_weight, fc1_bias, cfg, quantized=fc1_quantized)
 
 
 @_grouped_fc1_op.register_fake
@@ -195,6 +207,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
         recompute_fc1,
         accumulate_into_main_grad,
         grad_enabled,
+        quantized_weights,
     ):
         needs = _needs(ctx.needs_input_grad, probs, fc1_bias, fc2_bias) if grad_enabled else [False] * 6
         # The weights whose dgrad backward runs: FC2_DGRAD feeds dx, dprobs, dW1, db1 and dW2 (z);
@@ -215,12 +228,21 @@ class _GroupedMLPFunction(torch.autograd.Function):
             recipe_key,
             backend,
             keep_dgrad,
+            quantized_weights,
         )
+        fc1_quantized = []
+        if quantized_weights:
+            # quantize_weights' tensors: the backward's dgrads read the cached codes_t and scales (the
+            # op returns none, its outputs may not alias its inputs), recompute_fc1's FC1 the codes.
+            c1, c1_t, s1, _, c2_t, s2 = quantized_weights
+            saved = [c1_t, s1, c2_t, s2] if any(keep_dgrad) else []
+            fc1_quantized = [c1, c1_t, s1] if recompute_fc1 else []
         # Kept for backward: x, h (compute dtype), probs and the weights; a and z are recomputed.
         # With recompute_fc1, h is not kept either: backward runs FC1 again from x. Under fp8_block
         # on Triton also the weights' dgrad codes (1 byte per element) and tile scales (saved).
         ctx.save_for_backward(x, None if recompute_fc1 else h, splits, probs, fc1_weight, fc2_weight,
-                              fc1_bias, fc2_bias, *saved)
+                              fc1_bias, fc2_bias, *fc1_quantized, *saved)
+        ctx.num_fc1_quantized = len(fc1_quantized)
         ctx.options = (activation, activation_params, glu_interleave, scale_fc2_bias, recipe_key, backend)
         ctx.recompute_fc1 = recompute_fc1
         # Parameters whose weight gradient goes into their fp32 .main_grad (Megatron-Core style).
@@ -230,8 +252,9 @@ class _GroupedMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, h, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *saved = ctx.saved_tensors
+        fc1_quantized, saved = saved[: ctx.num_fc1_quantized], saved[ctx.num_fc1_quantized :]
         if ctx.recompute_fc1:
-            h = _grouped_fc1_op(x, splits, fc1_weight, fc1_bias, *ctx.options)
+            h = _grouped_fc1_op(x, splits, fc1_weight, fc1_bias, *ctx.options, fc1_quantized)
         needs = _needs(ctx.needs_input_grad, probs, fc1_bias, fc2_bias)
         dx, dprobs, dw1, dw2, db1, db2 = _grouped_mlp_bwd_op(
             dy.contiguous(),
@@ -269,6 +292,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
             None,  # recompute_fc1
             None,  # accumulate_into_main_grad
             None,  # grad_enabled
+            None,  # quantized_weights
         )
 
 
@@ -335,6 +359,7 @@ def grouped_mlp(
     backend: str = "auto",
     recompute_fc1: bool = False,
     accumulate_into_main_grad: bool = False,
+    quantized_weights=None,
 ) -> Tensor:
     """The expert block of an MoE layer for all experts at once (SPEC §1).
 
@@ -357,6 +382,19 @@ def grouped_mlp(
         recompute_fc1: keep only x for backward and run FC1 again there (saves the (M, N1) h).
         accumulate_into_main_grad: add the weight gradients, computed in fp32, into each weight's
             fp32 ``main_grad`` (Megatron-Core's gradient-accumulation fusion) instead of ``.grad``.
+        quantized_weights: a ``QuantizedWeights`` from ``moemlp.quantize_weights(fc1_weight,
+            fc2_weight, recipe)``, or None. fp8_block: the forward GEMMs and the backward's dgrads
+            read its codes, and no weight is quantized in the call's forward + backward; quantize
+            once per optimizer step and pass it to every micro-batch (the results are the same
+            bits). Checked on the host, without a device sync: ``recipe`` must be the one it was
+            quantized with, and the weights the very tensors quantized (same ``data_ptr``), unchanged
+            since (same in-place version counter ``_version``): after an optimizer step this raises
+            ValueError, quantize again (a fused optimizer, ``fused=True``, does not bump ``_version``:
+            its step goes unseen). Under ``torch.compiler.is_compiling()`` only shapes and
+            devices are checked (a graph cannot read data_ptr or _version): a compiled step must
+            itself quantize again after the weights change. The torch backend (backend='torch', or
+            'auto' where Triton cannot run) checks it and then ignores it: the reference quantizes
+            the same unchanged weights to the same values.
 
     Non-contiguous tensors are copied to contiguous ones once, here, before the ops run.
 
@@ -398,6 +436,18 @@ def grouped_mlp(
                 )
     if recipe_obj is not None and x.dtype == torch.float64:
         raise TypeError("recipe: block-scaled recipes take bf16, fp16 or fp32 inputs, got float64 x")
+    quantized = []
+    if quantized_weights is not None:
+        from ._quantized_weights import QuantizedWeights
+
+        if not isinstance(quantized_weights, QuantizedWeights):
+            raise TypeError(
+                f"quantized_weights: expected None or a QuantizedWeights from moemlp.quantize_weights, "
+                f"got {type(quantized_weights).__name__}"
+            )
+        quantized_weights.check(fc1_weight, fc2_weight, recipe_obj.key if recipe_obj is not None else "")
+        if be == "triton":
+            quantized = quantized_weights.tensors()
     if splits.device != x.device:
         splits = splits.to(x.device, non_blocking=True)
     return _GroupedMLPFunction.apply(
@@ -419,4 +469,5 @@ def grouped_mlp(
         # In no_grad / inference_mode there is no backward, while ctx.needs_input_grad still
         # reflects requires_grad: nothing is kept for a backward then.
         torch.is_grad_enabled(),
+        quantized,
     )

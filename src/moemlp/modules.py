@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from ._quantized_weights import quantize_weights
 from .activations import resolve_activation
 from .functional import grouped_mlp
 
@@ -23,6 +24,12 @@ class GroupedMLP(nn.Module):
     ``nn.Linear`` draws them per expert (uniform ±1/sqrt(fan_in)), biases start at zero.
     ``recompute_fc1`` and ``accumulate_into_main_grad`` are passed to grouped_mlp (see there);
     with the latter, give each weight an fp32 ``main_grad`` before the first backward.
+
+    Gradient accumulation under fp8_block (TransformerEngine's ``is_first_microbatch``): pass
+    ``is_first_microbatch=True`` on an optimizer step's first micro-batch and False on the others;
+    the weights are then quantized once per step (``moemlp.quantize_weights``, kept on the module
+    as the plain attribute ``quantized_weights``, not in the state_dict) instead of in every
+    forward. The results are the same bits.
     """
 
     def __init__(
@@ -74,6 +81,9 @@ class GroupedMLP(nn.Module):
         self.backend = backend
         self.recompute_fc1 = recompute_fc1
         self.accumulate_into_main_grad = accumulate_into_main_grad
+        # fp8_block tiles of both weights, set by forward(is_first_microbatch=True); a plain
+        # attribute: derived from the weights, so neither a parameter nor a buffer (not saved).
+        self.quantized_weights = None
         n1 = 2 * ffn_hidden_size if spec.glu else ffn_hidden_size
         kw = {"device": device, "dtype": dtype}
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, n1, hidden_size, **kw))
@@ -95,7 +105,31 @@ class GroupedMLP(nn.Module):
                 if b is not None:
                     b.zero_()
 
-    def forward(self, x: Tensor, splits: Tensor, probs: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self, x: Tensor, splits: Tensor, probs: Optional[Tensor] = None, is_first_microbatch: Optional[bool] = None
+    ) -> Tensor:
+        """y = grouped_mlp(x, splits, probs, the module's weights and options).
+
+        ``is_first_microbatch`` (TransformerEngine's semantics), under an fp8_block recipe:
+        None: quantize the weights in this call, as always. True: quantize them now, keep the result
+        on the module (``quantized_weights``) and use it. False: use the kept one, quantizing
+        nothing (ValueError when there is none; after an optimizer step without a True call since,
+        grouped_mlp finds the weights changed and raises, except after a fused optimizer's step, which
+        does not bump the weights' version counter). Without a recipe, or under mxfp8 / nvfp4
+        (whose forward and dgrad share no weight quantization), it is accepted and ignored, so that a
+        training loop can pass it whatever the recipe."""
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise TypeError(f"is_first_microbatch: expected None or a bool, got {type(is_first_microbatch).__name__}")
+        quantized = None
+        if is_first_microbatch is not None and self._caches_weights():
+            if is_first_microbatch:
+                self.quantized_weights = quantize_weights(self.fc1_weight, self.fc2_weight, self.recipe)
+            elif self.quantized_weights is None:
+                raise ValueError(
+                    "is_first_microbatch=False: no weights quantized yet; pass is_first_microbatch=True on the "
+                    "first micro-batch of each optimizer step"
+                )
+            quantized = self.quantized_weights
         return grouped_mlp(
             x,
             splits,
@@ -112,7 +146,14 @@ class GroupedMLP(nn.Module):
             backend=self.backend,
             recompute_fc1=self.recompute_fc1,
             accumulate_into_main_grad=self.accumulate_into_main_grad,
+            quantized_weights=quantized,
         )
+
+    def _caches_weights(self) -> bool:
+        """Whether is_first_microbatch applies: the recipe is fp8_block."""
+        from .recipes import FP8BlockRecipe, resolve_recipe
+
+        return isinstance(resolve_recipe(self.recipe), FP8BlockRecipe)
 
     def extra_repr(self) -> str:
         return (

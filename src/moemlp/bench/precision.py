@@ -26,7 +26,7 @@ def _dprobs_float64(x, splits, probs, w1, w2, dy, backend):
     from ..reference import ExpertLayout, activate
 
     _, h, _ = torch.ops.moemlp.grouped_mlp_fwd(x, splits, probs, w1, w2, None, None, "swiglu", [],
-                                               w2.shape[-1], False, "", backend, [False, False])
+                                               w2.shape[-1], False, "", backend, [False, False], [])
     lay = ExpertLayout(splits, x.shape[0], x.device)
     T = lay.total
     g_z = lay.unpad(torch.bmm(lay.pad(dy[:T].double()), w2.double()))

@@ -18,7 +18,8 @@ off by default, ``FUSE_WGRAD_CODES`` says why). Under fp8_block each
 weight is quantized once per forward + backward: ``grouped_mlp_fwd(..., keep_dgrad=(w1, w2))``
 quantizes a weight the backward's dgrad will read with both layouts and returns its K-major codes
 and tile scales (``saved``), which ``grouped_mlp_bwd(..., saved=saved)`` reads instead of
-quantizing again.
+quantizing again. Across the micro-batches of an optimizer step, ``quantized`` (the tensors of
+``moemlp.quantize_weights``) replaces even that pass.
 """
 
 from __future__ import annotations
@@ -80,10 +81,13 @@ def grouped_mlp_fwd(
     fc2_bias: Optional[Tensor],  # (E, H)
     cfg,  # MLPConfig
     keep_dgrad: Optional[tuple[bool, bool]] = None,  # (W1, W2): hand their dgrad operands to the backward
+    quantized: Sequence[Tensor] = (),  # fp8_block: codes, codes_t, scales of W1 then W2 (quantize_weights)
 ) -> tuple[Tensor, ...]:
     """Returns y (M, H) and h (M, N1), both in x.dtype; capacity rows are 0. With ``keep_dgrad``
     also ``saved``, a list for ``grouped_mlp_bwd``: under fp8_block the codes_t (E, C, R) and
-    scales of each weight kept (empty tensors for one not kept), else [] (_operands.saved_dgrad)."""
+    scales of each weight kept (empty tensors for one not kept), else [] (_operands.saved_dgrad).
+    With ``quantized`` (fp8_block) the GEMMs read those codes and no weight is quantized here; the
+    ``saved`` returned then holds the given codes_t and scales themselves."""
     from . import _grouped_gemm as gg
 
     _check_recipe(cfg)
@@ -105,7 +109,10 @@ def grouped_mlp_fwd(
     if r is not None:
         from . import _operands
 
-        w1, w2 = _operands.Weight(fc1_weight, r), _operands.Weight(fc2_weight, r)
+        if quantized:
+            w1, w2 = _operands.cached_weights((fc1_weight, fc2_weight), r, quantized)
+        else:
+            w1, w2 = _operands.Weight(fc1_weight, r), _operands.Weight(fc2_weight, r)
         # Before the GEMMs: a kept weight is quantized once with both layouts, its codes read here
         # and dropped on return, its codes_t and scales returned for the backward's dgrad.
         saved = _operands.saved_dgrad((w1, w2), r, keep_dgrad)
@@ -221,6 +228,7 @@ def grouped_fc1(
     fc1_weight: Tensor,  # (E, N1, H)
     fc1_bias: Optional[Tensor],  # (E, N1)
     cfg,  # MLPConfig
+    quantized: Sequence[Tensor] = (),  # fp8_block: W1's codes, codes_t, scales (quantize_weights)
 ) -> Tensor:
     """h (M, N1) alone, for recompute_fc1: the FC1 launch of the forward without z."""
     from . import _grouped_gemm as gg
@@ -230,6 +238,11 @@ def grouped_fc1(
     M, H = x.shape
     E, N1, _ = fc1_weight.shape
     F = N1 // 2 if cfg.glu else N1
+    w1 = None
+    if quantized:
+        from . import _operands
+
+        (w1,) = _operands.cached_weights((fc1_weight,), cfg.recipe, quantized)
     h = torch.empty((M, N1), dtype=x.dtype, device=x.device)
     _gemm(
         gg.FC1.value,
@@ -252,6 +265,7 @@ def grouped_fc1(
         store_z=False,
         store_partial=False,
         kind="fc1",
+        weight=w1,
     )
     return h
 

@@ -12,7 +12,9 @@ Every GEMM of the MLP quantizes both operands along its reduction dim. Two ways 
   backward will run a weight's dgrad quantizes it with both layouts, reads the codes and returns
   codes_t and the scales (``saved_dgrad``, 1 byte + 1/16384 fp32 per element, kept until the
   backward); the backward builds its Weight from them (``dgrad_weights``) and quantizes only a
-  weight the forward did not keep.
+  weight the forward did not keep. Across the micro-batches of an optimizer step even that pass
+  can be skipped: ``moemlp.quantize_weights`` holds both layouts of each weight, and the forward
+  builds its Weights from them (``cached_weights``).
 * emulated (mxfp8, nvfp4): each operand becomes its dequantized values code·block_scale in bf16
   (``quantize.dequantized*``), and the bf16 kernels run on them; nvfp4's per-tensor factors
   (1/S_enc of each operand) multiply the fp32 accumulator (ACC_SCALE) before any epilogue. Exact
@@ -106,6 +108,20 @@ class Weight:
         _check_tiles(w, recipe, None, codes_t, scales)
         q = QuantizedTensor(
             codes=codes_t.transpose(-1, -2), scales=scales, shape=tuple(w.shape), axis=-1, block=(128, 128),
+            _dequantize=fp8_block._dequantize_tiles, codes_t=codes_t,
+        )  # fmt: skip
+        return cls(w, recipe, q)
+
+    @classmethod
+    def from_cache(cls, w: Tensor, recipe, codes: Tensor, codes_t: Tensor, scales: Tensor) -> Weight:
+        """w with both layouts quantized already (``moemlp.quantize_weights``): the forward reads
+        ``codes`` and the dgrad ``codes_t``, with no quantizer pass of its own."""
+        from ..recipes import QuantizedTensor, fp8_block
+
+        if not codes.is_contiguous():
+            raise ValueError(f"codes: expected a contiguous tensor, got strides {tuple(codes.stride())}")
+        q = QuantizedTensor(
+            codes=codes, scales=scales, shape=tuple(w.shape), axis=-1, block=(128, 128),
             _dequantize=fp8_block._dequantize_tiles, codes_t=codes_t,
         )  # fmt: skip
         return cls(w, recipe, q)
@@ -230,6 +246,16 @@ def dgrad_weights(ws: Sequence[Tensor], recipe, saved: Sequence[Tensor]) -> list
     pairs = [saved[2 * i : 2 * i + 2] for i in range(len(ws))]
     # An empty pair is a weight the forward did not keep (an empty weight quantizes to nothing anyway).
     return [Weight.from_saved(w, recipe, *p) if p[0].numel() else Weight(w, recipe) for w, p in zip(ws, pairs)]
+
+
+def cached_weights(ws: Sequence[Tensor], recipe, quantized: Sequence[Tensor]) -> list[Weight]:
+    """One Weight per tensor of ``ws`` from ``quantize_weights``' tensors: codes, codes_t and scales
+    of each weight in turn (checked against the weight); none of them quantizes again."""
+    if len(quantized) != 3 * len(ws):
+        raise ValueError(
+            f"quantized: expected codes, codes_t and scales of each of {len(ws)} weights, got {len(quantized)} tensors"
+        )
+    return [Weight.from_cache(w, recipe, *quantized[3 * i : 3 * i + 3]) for i, w in enumerate(ws)]
 
 
 def gemm_kwargs(a: ActOperand, b: WeightOperand) -> dict:
