@@ -131,10 +131,9 @@ def test_wgrad_codes_refuse_bad_buffers():
 def test_cpu_backward_with_the_epilogue_codes_gives_the_same_bits(monkeypatch):
     # The backward's wiring of WgradCodes (off by default: _grouped_gemm.FUSE_WGRAD_CODES says why)
     # gives the gradients of the quantize_wgrad path bit for bit: the same codes, the same kernels.
-    from test_triton_backend import make
-
     from moemlp import kernels as K
     from moemlp.kernels import _grouped_gemm as gg
+    from test_triton_backend import make
 
     t, cfg = make([150, 0, 37, 140], 128, 64, M=340)
     cfg = MLPConfig(cfg.activation, cfg.activation_params, cfg.glu_interleave, cfg.scale_fc2_bias,
