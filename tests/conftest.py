@@ -11,3 +11,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and n_gpus < 2:
             item.add_marker(skip_multi)
+
+
+@pytest.fixture
+def quantize_weight_calls(monkeypatch):
+    """(shape, transposed) of every Triton ``quantize_weight`` call. Its callers (kernels._operands,
+    moemlp._quantized_weights) look it up on the module object at each call, so patching the module
+    is seen. Imported here, not at the top: the interpreter child must decorate the kernels under
+    TRITON_INTERPRET=1 (tests/_triton_env.py)."""
+    from moemlp.kernels import quantize as kq
+
+    calls = []
+    original = kq.quantize_weight
+
+    def counting(w, recipe, transposed=False):
+        calls.append((tuple(w.shape), transposed))
+        return original(w, recipe, transposed=transposed)
+
+    monkeypatch.setattr(kq, "quantize_weight", counting)
+    return calls

@@ -22,7 +22,6 @@ import _triton_env
 import moemlp
 from _cases import GRAD_NAMES, make_problem, run
 from moemlp import _quantized_weights as qwm
-from moemlp.kernels import quantize as kq
 from moemlp.recipes import recipe
 
 interpreted = pytest.mark.skipif(
@@ -36,21 +35,6 @@ FP8 = recipe("fp8_block")
 @pytest.mark.skipif(not _triton_env.START_CHILD, reason="runs the CPU cases in a child on a CPU-only machine")
 def test_cpu_cases_under_interpreter():
     _triton_env.run_file_interpreted(__file__)
-
-
-@pytest.fixture
-def quantize_weight_calls(monkeypatch):
-    """(shape, transposed) of every Triton quantize_weight call (looked up on the module at each
-    call by _operands and _quantized_weights, so patching the module is seen)."""
-    calls = []
-    original = kq.quantize_weight
-
-    def counting(w, recipe, transposed=False):
-        calls.append((tuple(w.shape), transposed))
-        return original(w, recipe, transposed=transposed)
-
-    monkeypatch.setattr(kq, "quantize_weight", counting)
-    return calls
 
 
 def _problem(case, device):

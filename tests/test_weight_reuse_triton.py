@@ -47,21 +47,6 @@ def with_recipe(cfg, key):
     return MLPConfig(cfg.activation, cfg.activation_params, cfg.glu_interleave, cfg.scale_fc2_bias, from_key(key))
 
 
-@pytest.fixture
-def quantize_weight_calls(monkeypatch):
-    """(shape, transposed) of every quantize_weight call. _operands calls it as kq.quantize_weight,
-    an attribute looked up on the module object at each call, so patching the module is seen."""
-    calls = []
-    original = kq.quantize_weight
-
-    def counting(w, recipe, transposed=False):
-        calls.append((tuple(w.shape), transposed))
-        return original(w, recipe, transposed=transposed)
-
-    monkeypatch.setattr(kq, "quantize_weight", counting)
-    return calls
-
-
 def _problems():
     # GLU with partial 128-tiles in every dim (W1 (4, 96, 160), W2 (4, 160, 48)), an empty expert,
     # capacity rows, biases; and a unary activation in fp32 without probs, W1 (3, 40, 72) taking the
