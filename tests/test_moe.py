@@ -206,6 +206,28 @@ def test_recompute_fc1_gives_the_same_gradients():
         assert torch.equal(a, b)
 
 
+def test_is_first_microbatch_reaches_the_experts():
+    """Under fp8_block the layer hands is_first_microbatch to its GroupedMLP: True keeps the quantized
+    weights, False reuses them with the same results, a changed weight is caught."""
+    H, F_, E, k, T = 16, 24, 6, 2, 30
+    moe = make_layer(H, F_, E, k, torch.bfloat16, recipe="fp8_block")
+    x = torch.randn(T, H).bfloat16()
+    y_none = moe(x)
+    assert moe.experts.quantized_weights is None
+    y_first = moe(x, is_first_microbatch=True)
+    kept = moe.experts.quantized_weights
+    assert kept is not None
+    y_later = moe(x, is_first_microbatch=False)
+    assert moe.experts.quantized_weights is kept
+    assert torch.equal(y_none, y_first) and torch.equal(y_none, y_later)
+    with torch.no_grad():
+        moe.experts.fc1_weight.add_(1.0)  # an optimizer step without a new True
+    with pytest.raises(ValueError, match="fc1_weight changed"):
+        moe(x, is_first_microbatch=False)
+    with pytest.raises(TypeError, match="is_first_microbatch"):
+        moe(x, is_first_microbatch=1)
+
+
 def test_accumulate_into_main_grad():
     """Expert weight gradients land in fp32 .main_grad (added to what is there), not in .grad."""
     H, F_, E, k, T = 16, 24, 6, 2, 30

@@ -137,7 +137,7 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
         torch.autograd.grad([xr, pr], [x, router_w], [g_rows, g_probs])
 
     def experts_phase():
-        y = moe._run_experts(x_rows_leaf, splits, p_rows_leaf)
+        y = moe.experts(x_rows_leaf, splits, p_rows_leaf)
         torch.autograd.grad(y, [x_rows_leaf, p_rows_leaf, w1, w2], g_rows)
 
     def combine_phase():

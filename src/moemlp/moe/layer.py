@@ -144,10 +144,16 @@ class MoE(nn.Module):
             f"{self.local_expert_offset + self.num_local_experts}), backend={self.backend!r}"
         )
 
-    def _run_experts(self, x: Tensor, splits: Tensor, probs: Tensor) -> Tensor:
-        return self.experts(x, splits, probs)
+    def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
+        """y of x's shape. ``is_first_microbatch`` goes to the experts (``GroupedMLP.forward``): under
+        fp8_block, True quantizes the expert weights and keeps them for the step's later micro-batches,
+        which pass False; None quantizes in every call."""
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise TypeError(f"is_first_microbatch: expected None or a bool, got {type(is_first_microbatch).__name__}")
 
-    def forward(self, x: Tensor) -> Tensor:
+        def run_experts(rows: Tensor, splits: Tensor, probs: Tensor) -> Tensor:
+            return self.experts(rows, splits, probs, is_first_microbatch=is_first_microbatch)
+
         if not isinstance(x, Tensor):
             raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() not in (2, 3) or x.shape[-1] != self.hidden_size:
@@ -164,9 +170,9 @@ class MoE(nn.Module):
         triton = use_triton(self.backend, tokens.device)
         probs, expert_idx = self.router(tokens)
         if self.ep_group is None:
-            y, _ = local_moe_forward(tokens, probs, expert_idx, self.num_experts, self._run_experts, triton)
+            y, _ = local_moe_forward(tokens, probs, expert_idx, self.num_experts, run_experts, triton)
         else:
             y = expert_parallel_moe_forward(
-                tokens, probs, expert_idx, self.num_experts, self._run_experts, self.ep_group, triton
+                tokens, probs, expert_idx, self.num_experts, run_experts, self.ep_group, triton
             )
         return y.view(x.shape)
