@@ -216,28 +216,10 @@ def test_gpu_matches_torch_emulation(case, key):
     t, cfg = gpu_problem(E, H, F, rows, empty, cap, **kw)
     rels, grads = compare(t, with_recipe(cfg, key), "cuda")
     print(case[0], key, {k: f"{v:.1e}" for k, v in rels.items()})
-    again = K.grouped_mlp_bwd(
-        t["dy"],
-        t["x"],
-        K.grouped_mlp_fwd(
-            t["x"],
-            t["splits"],
-            t["probs"],
-            t["fc1_weight"],
-            t["fc2_weight"],
-            t["fc1_bias"],
-            t["fc2_bias"],
-            with_recipe(cfg, key),
-        )[1],
-        t["splits"],
-        t["probs"],
-        t["fc1_weight"],
-        t["fc2_weight"],
-        t["fc1_bias"],
-        t["fc2_bias"],
-        with_recipe(cfg, key),
-        (True,) * 6,
-    )
+    rcfg = with_recipe(cfg, key)
+    args = (t["splits"], t["probs"], t["fc1_weight"], t["fc2_weight"], t["fc1_bias"], t["fc2_bias"])
+    h = K.grouped_mlp_fwd(t["x"], *args, rcfg)[1]
+    again = K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, rcfg, (True,) * 6)
     for name, a, b in zip(GRADS, grads, again):
         if a is not None:
             assert torch.equal(a, b), f"{name}: not bitwise repeatable"
