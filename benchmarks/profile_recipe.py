@@ -1,11 +1,12 @@
 """Per-kernel GPU time of one grouped-MLP forward + backward, by recipe (torch.profiler), on one
 ANCHORS.md shape: where the time between the bf16 path and a recipe goes, launch by launch.
 
-    PYTHONPATH=src python3 benchmarks/profile_recipe.py [--shape mixtral-8x7b] [--recipes bf16,fp8_block]
+    PYTHONPATH=src python3 benchmarks/profile_recipe.py [--shape mixtral-8x7b] [--recipes bf16,fp8_block,fp8_block_wcache]
 
 Prints, per recipe, each kernel's GPU time per step (ms, summed over its launches) and launch
 count, largest first, and the step total; warm-up steps run first, then ``--steps`` profiled ones.
-``--trace`` also prints the launches of one step in order (≥ 0.05 ms), which tells the GEMMs of one
+``fp8_block_wcache``: fp8_block with the weights quantized once before the steps (``quantize_weights``),
+what a later micro-batch of an optimizer step runs. ``--trace`` also prints the launches of one step in order (≥ 0.05 ms), which tells the GEMMs of one
 kernel apart (FC1, FC2, FC2_DGRAD, FC1_DGRAD of ``_grouped_gemm_kernel``).
 """
 
@@ -17,20 +18,25 @@ import sys
 
 import torch
 
+from moemlp import quantize_weights
 from moemlp.functional import grouped_mlp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import SHAPES, problem  # noqa: E402
 
 
-def profile(shape: str, recipe: str | None, steps: int, trace: bool = False) -> list[tuple[str, float, int]]:
+def profile(
+    shape: str, recipe: str | None, steps: int, trace: bool = False, cached: bool = False
+) -> list[tuple[str, float, int]]:
     H, F, E, top_k, tokens = SHAPES[shape]
     x, splits, probs, w1, w2 = problem(H, F, E, top_k, tokens)[:5]
     x, probs, w1, w2 = (t.detach().requires_grad_() for t in (x, probs, w1, w2))
     dy = torch.randn_like(x)
+    # cached: the weights quantized once outside the step, as a later micro-batch of a step sees them
+    qw = quantize_weights(w1, w2, recipe) if cached else None
 
     def step():
-        y = grouped_mlp(x, splits, probs, w1, w2, recipe=recipe)
+        y = grouped_mlp(x, splits, probs, w1, w2, recipe=recipe, quantized_weights=qw)
         y.backward(dy)
 
     for _ in range(3):
@@ -67,7 +73,9 @@ def main():
     p.add_argument("--trace", action="store_true", help="also every launch of one step, in order")
     args = p.parse_args()
     for name in args.recipes.split(","):
-        rows = profile(args.shape, None if name == "bf16" else name, args.steps, args.trace)
+        cached = name == "fp8_block_wcache"  # weights quantized once outside the step (quantize_weights)
+        recipe = None if name == "bf16" else "fp8_block" if cached else name
+        rows = profile(args.shape, recipe, args.steps, args.trace, cached)
         total = sum(r[1] for r in rows)
         print(f"\n== {args.shape} {name}: {total:.2f} ms of kernels per fwd+bwd step", flush=True)
         for key, ms, n in rows[:16]:

@@ -1,6 +1,8 @@
 """`python -m moemlp bench --recipes`: the grouped MLP under each block-scaled recipe beside moemlp's
 own bf16 path, same process, same inputs (quantization included in every timing: activations and
-gradients per call, weights per call too, as a step that changes the weights must).
+gradients per call, weights per call too, as a step that changes the weights must). One more column,
+``fp8_block_wcache``, times fp8_block with the weights quantized once outside the call
+(``moemlp.quantize_weights``): what a later micro-batch of an optimizer step costs.
 
 Before timing, each recipe's output is checked against the unquantized bf16 result (signal-to-noise
 ratio in dB over y): a broken path is a loud error, not a fast number.
@@ -13,10 +15,12 @@ import sys
 
 import torch
 
+from .._quantized_weights import quantize_weights
 from ..functional import grouped_mlp
 from .common import device_description, median_ms, print_table, routed_problem, write_csv
 
 RECIPES = ("fp8_block", "mxfp8", "nvfp4")
+CACHED = "fp8_block_wcache"  # fp8_block, weights quantized once per step (micro-batches after the first)
 # y against the bf16 path, one seed per shape: fp8_block / mxfp8 ~24-26 dB and nvfp4 ~12-13 dB are
 # what the torch emulation gives (tests/test_recipes.py, MLP_FLOORS); 6 dB under is a broken path.
 SANITY_DB = {"fp8_block": 18.0, "mxfp8": 18.0, "nvfp4": 6.0}
@@ -33,11 +37,15 @@ def bench_shape(shape, device, backend: str, rep_ms: int, recipes=RECIPES) -> di
     row = {"shape": shape.name, "H": shape.hidden, "F": shape.ffn, "E": shape.experts, "M": shape.rows}
     with torch.no_grad():
         y_bf16 = grouped_mlp(x, splits, probs, w1, w2, backend=backend)
-    for name in (None,) + tuple(recipes):
-        label = name or "bf16"
+    variants = [(None, None)] + [(name, name) for name in recipes]
+    if "fp8_block" in recipes and backend != "torch" and (backend == "triton" or device.type == "cuda"):
+        variants.append((CACHED, "fp8_block"))
+    for label, name in variants:
+        label = label or "bf16"
+        qw = quantize_weights(w1, w2, name) if label == CACHED else None
 
-        def fn(name=name):
-            return grouped_mlp(x, splits, probs, w1, w2, backend=backend, recipe=name)
+        def fn(name=name, qw=qw):
+            return grouped_mlp(x, splits, probs, w1, w2, backend=backend, recipe=name, quantized_weights=qw)
 
         if name is not None:
             with torch.no_grad():
@@ -73,6 +81,8 @@ def run_recipe_bench(shapes, device: torch.device, backend: str, out_dir: str, r
     cols = ["shape", "bf16_fwdbwd_ms"]
     for name in RECIPES:
         cols += [f"{name}_fwdbwd_ms", f"{name}_speedup_fwdbwd", f"{name}_speedup_fwd", f"{name}_snr_db"]
+    if any(f"{CACHED}_fwdbwd_ms" in r for r in rows):
+        cols += [f"{CACHED}_fwdbwd_ms", f"{CACHED}_speedup_fwdbwd"]
     print_table(
         rows,
         cols,
