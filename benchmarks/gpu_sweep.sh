@@ -2,7 +2,7 @@
 # One device call: GPU tests in parallel groups (each with its own time limit, failures listed with
 # one line each), then the benches, one at a time. Logs, CSV and PNG under $OUT; short tables last.
 # Usage (device): bash benchmarks/gpu_sweep.sh [PART,PART...]   PART: tests bf16tests precision bench
-#   recipes parts, run in that order; default tests,recipes,parts. A part whose time limit would
+#   recipes profile loadpath parts, run in that order; default tests,recipes,parts. A part whose time limit would
 #   pass DEADLINE seconds from the start (default 590: the device's 600 s per call) is skipped.
 # A cold H200 spends most of a test group's time compiling kernels (one Triton compile per recipe,
 # dtype and constexpr set): run one after another, the groups ran past 600 s (2026-11-30), so they
@@ -20,6 +20,7 @@ export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 group() {  # name, time limit (s), pytest arguments...  (runs in the background)
   local name=$1 limit=$2
   shift 2
+  [[ -n ${GROUPS_ONLY:-} && ,$GROUPS_ONLY, != *,$name,* ]] && return 0  # GROUPS_ONLY=a,b: only those groups
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --tb=short "$@" > "$OUT/tests_$name.log" 2>&1
   echo "[$name] rc=$? $(grep -E '(passed|failed)' "$OUT/tests_$name.log" | tail -1)" > "$OUT/tests_$name.sum"
   grep -E '^FAILED' "$OUT/tests_$name.log" | head -8 >> "$OUT/tests_$name.sum"
@@ -37,9 +38,9 @@ if has tests || has bf16tests; then
     group moe ${TEST_LIMIT:-230} tests/test_moe.py tests/test_dispatch.py tests/test_router.py &
   fi
   if has tests; then
-    group recipes_mlp ${TEST_LIMIT:-230} tests/test_recipes_triton.py &
+    group recipes_mlp ${TEST_LIMIT:-230} tests/test_recipes_triton.py tests/test_load_path_dequant.py &
     group recipes_gemm ${TEST_LIMIT:-230} tests/test_fp8_gemm.py tests/test_fp8_wgrad.py tests/test_recipes.py tests/test_wgrad_codes.py \
-      tests/test_weight_reuse_triton.py &
+      tests/test_weight_reuse_triton.py tests/test_weight_cache_triton.py &
     group quant_fp8 ${TEST_LIMIT:-230} tests/test_quantize_triton.py -k "gpu and fp8_block" &
     group quant_mx ${TEST_LIMIT:-230} tests/test_quantize_triton.py -k "gpu and mxfp8" &
     group quant_nv ${TEST_LIMIT:-230} tests/test_quantize_triton.py -k "gpu and nvfp4" &
@@ -59,8 +60,24 @@ if has bench && fits bench 150; then
   timeout 150 python3 -m moemlp bench --rep-ms 100 --out "$OUT" > "$OUT/bench.log" 2>&1; tail -8 "$OUT/bench.log"
 fi
 if has recipes && fits recipes 230; then
-  timeout 230 python3 -m moemlp bench --recipes --rep-ms 50 --out "$OUT" > "$OUT/bench_recipes.log" 2>&1
+  # RECIPE_SHAPES="--shape mixtral-8x7b --shape deepseek-v3-ep8": fewer shapes (default: all four)
+  # shellcheck disable=SC2086
+  timeout 230 python3 -m moemlp bench --recipes --rep-ms 50 ${RECIPE_SHAPES:-} --out "$OUT" > "$OUT/bench_recipes.log" 2>&1
   tail -9 "$OUT/bench_recipes.log"
+fi
+if has profile && fits profile 110; then  # fp8_block's kernel time per step, weights cached and not
+  for shape in mixtral-8x7b deepseek-v3-ep8; do
+    timeout 55 python3 benchmarks/profile_recipe.py --shape $shape --recipes bf16,fp8_block,fp8_block_wcache --steps 3 \
+      > "$OUT/profile_$shape.log" 2>&1
+  done
+  cat "$OUT"/profile_*.log > "$OUT/profile.log"; rm "$OUT"/profile_*.log; grep '^==' "$OUT/profile.log"
+fi
+if has loadpath && fits loadpath 120; then  # mxfp8/nvfp4: load-path dequantization against the pass
+  # shell-split on purpose: LOADPATH_ARGS="--shapes mixtral-8x7b --modes both,act"
+  # shellcheck disable=SC2086
+  timeout $(( DEADLINE - SECONDS )) python3 benchmarks/bench_load_path.py ${LOADPATH_ARGS:---fc1-configs} \
+    > "$OUT/load_path.log" 2>&1
+  grep -v Warn "$OUT/load_path.log" | tail -22
 fi
 if has parts && fits parts 60; then
   timeout $(( DEADLINE - SECONDS )) python3 benchmarks/bench_recipe_parts.py --out "$OUT" > "$OUT/parts.log" 2>&1

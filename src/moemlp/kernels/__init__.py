@@ -24,6 +24,7 @@ quantizing again. Across the micro-batches of an optimizer step, ``quantized`` (
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Optional
@@ -213,12 +214,18 @@ def _gemm(
         b_op = w_op.forward() if orientation == "forward" else w_op.dgrad()
         a, w, strides = a_op.a, b_op.b, b_op.strides
         extra = _operands.gemm_kwargs(a_op, b_op)
-    fp8 = "a_scales" in extra
+    dq = extra.get("dequant", (0, 0))
+    fp8 = "a_scales" in extra and not any(dq)
+    # codes dequantized in the load path: the bf16 kernel's tiles (the values it multiplies are bf16)
+    config = config or gg.default_config(kind, N, K, cfg.glu, 2 if any(dq) else a.element_size(), fp8=fp8)
+    if r is not None and not fp8 and config.BK < 32:
+        # the interpreter's 16-deep steps hold half an mxfp8 block; 32 for both of the emulated
+        # recipes' ways (load path or pass), whose results are then the same bits
+        config = dataclasses.replace(config, BK=32)
     gg.launch_grouped_gemm(
         epilogue, a, w, strides, splits, probs, bias, out, z, h, partial,
         N=N, K=K, N1=N1, cfg=cfg, scale_bias=scale_bias, store_z=store_z, store_partial=store_partial,
-        config=config or gg.default_config(kind, N, K, cfg.glu, a.element_size(), fp8=fp8), wgrad_codes=wgrad_codes,
-        **extra,
+        config=config, wgrad_codes=wgrad_codes, **extra,
     )  # fmt: skip
 
 

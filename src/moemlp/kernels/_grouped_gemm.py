@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - triton < 3.4 has no host-side descript
     TensorDescriptor = None
 
 from ._activations import glu_backward, glu_forward, unary_backward, unary_forward
-from .quantize import FLT_MAX, fp8_block_columns
+from .quantize import FLT_MAX, _per_block_spread, block_scale_values, code_values, fp8_block_columns, unpack_e2m1
 
 # Under TRITON_INTERPRET=1, tl.dot on bf16 operands returns garbage (numpy has no bf16 matmul;
 # triton 3.9, 2026-11-30: max error 2.7e10 on a 16×16 product), so dot operands are upcast to fp32
@@ -98,8 +98,9 @@ def _grouped_gemm_kernel(
     z_ptr,  # (M, F) compute dtype: round(act(h)·p), FC2's input and dW2's operand (STORE_Z)
     h_ptr,  # (M, N1) compute dtype: the stored pre-activation, read by FC2_DGRAD
     partial_ptr,  # (cdiv(F, BN), M) fp32: dprobs partials Σ_{f in tile} g_z·a (STORE_PARTIAL)
-    a_scale_ptr,  # FP8: fp32 dequant scale of row m, K block kb at m·stride_asm + kb·stride_ask
-    b_scale_ptr,  # FP8: fp32 dequant scale of B's 128×128 tile (n//128, k//128) of expert e (strides below)
+    a_scale_ptr,  # FP8: fp32 dequant scale of row m, K block kb at m·stride_asm + kb·stride_ask; A_DQ: uint8
+    b_scale_ptr,  # FP8: fp32 dequant scale of B's 128×128 tile (n//128, k//128) of expert e (strides below);
+    #               B_DQ: uint8 scale code of B(n, K block kb) of expert e, e·stride_bse + n·stride_bsn + kb·stride_bsk
     acc_scale_ptr,  # ACC_SCALE: fp32 scalar multiplied onto the accumulator (nvfp4's per-tensor factors)
     cq_g_ptr,  # QUANT_G: (N1, P_pad) e4m3 code bits of g_hᵀ in the weight-gradient layout (below)
     cq_gs_ptr,  # QUANT_G: (P_pad/128, N1) fp32 dequantization scale of each 128-row block and column
@@ -110,9 +111,10 @@ def _grouped_gemm_kernel(
     N,
     K,
     E,  # N: output columns of this GEMM (F for FC1/FC2_DGRAD, H for FC2/FC1_DGRAD)
+    stride_am,  # A_DQ: a's row stride in bytes (K, or ⌈K/2⌉ for packed nvfp4); else a is (M, K) contiguous
     stride_be,
     stride_bn,
-    stride_bk,
+    stride_bk,  # B_DQ nvfp4: the stride of a packed pair of K (B(n, k) in byte k // 2)
     stride_asm,
     stride_ask,
     stride_bse,
@@ -150,6 +152,8 @@ def _grouped_gemm_kernel(
     QUANT_G: tl.constexpr,  # FC2_DGRAD, fp8_block: also store g_h quantized in 128-row blocks, transposed
     QUANT_Z: tl.constexpr,  # FC2_DGRAD, fp8_block: z quantized so instead of z itself (STORE_Z)
     POW2: tl.constexpr,  # QUANT_*: power-of-two scales (the recipe's pow2_scales)
+    A_DQ: tl.constexpr,  # 0, or 1 mxfp8 / 2 nvfp4: a holds codes blocked along K, dequantized to bf16 as loaded
+    B_DQ: tl.constexpr,  # the same for b (the weights' codes; scales per (n, K block))
 ):
     TWO_ACC: tl.constexpr = GLU and EPILOGUE == FC1  # gate and up columns of one F block
     pid = tl.program_id(0)
@@ -225,6 +229,24 @@ def _grouped_gemm_kernel(
             b_base = b_ptr + e.to(tl.int64) * stride_be
             a_ptrs = a_ptr + rows64[:, None] * K + offs_k[None, :]
             b_ptrs = b_base + n_b[None, :] * stride_bn + offs_k[:, None] * stride_bk
+            # A_DQ / B_DQ: each step's block-scale codes (and nvfp4's packed codes, which are too
+            # narrow for the pipeliner's asynchronous copies) are loaded one step ahead into
+            # registers; mxfp8's codes are loaded in their step (asynchronous copies, pipelined).
+            if A_DQ != 0:
+                a_s = _dq_scales_a(a_scale_ptr, rows64, row_mask, 0, K, stride_asm, stride_ask, A_DQ, BK)
+                if A_DQ == 2:
+                    a_c = _dq_codes_a(a_ptr, rows64, row_mask, 0, K, stride_am, A_DQ, BK)
+            if B_DQ != 0:
+                b_s_base = b_scale_ptr + e.to(tl.int64) * stride_bse
+                bu_base = b_base + G * stride_bn  # TWO_ACC: the up rows
+                bu_s_base = b_s_base + G * stride_bsn
+                b_s = _dq_scales_b(b_s_base, n_b, n_mask, 0, K, stride_bsn, stride_bsk, B_DQ, BK)
+                if B_DQ == 2:
+                    b_c = _dq_codes_b(b_base, n_b, n_mask, 0, K, stride_bn, stride_bk, B_DQ, BK)
+                if TWO_ACC:
+                    bu_s = _dq_scales_b(bu_s_base, n_b, n_mask, 0, K, stride_bsn, stride_bsk, B_DQ, BK)
+                    if B_DQ == 2:
+                        bu_c = _dq_codes_b(bu_base, n_b, n_mask, 0, K, stride_bn, stride_bk, B_DQ, BK)
         for kk in range(0, k_iters):
             if USE_TMA:
                 a = a_desc.load([row_start, kk * BK])
@@ -236,10 +258,34 @@ def _grouped_gemm_kernel(
                     b_up = tl.trans(b_desc.load([e, n_b0 + G, kk * BK]).reshape(BN, BK))
             else:
                 k_mask = offs_k < K - kk * BK
-                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                if TWO_ACC:
-                    b_up = tl.load(b_ptrs + G * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                k_next = (kk + 1) * BK
+                if A_DQ != 0:
+                    if A_DQ == 1:
+                        a_c = _dq_codes_a(a_ptr, rows64, row_mask, kk * BK, K, stride_am, A_DQ, BK)
+                    a = _dq_values_a(a_c, a_s, A_DQ, BM, BK, INTERPRETED)
+                    a_s = _dq_scales_a(a_scale_ptr, rows64, row_mask, k_next, K, stride_asm, stride_ask, A_DQ, BK)
+                    if A_DQ == 2:
+                        a_c = _dq_codes_a(a_ptr, rows64, row_mask, k_next, K, stride_am, A_DQ, BK)
+                else:
+                    a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                if B_DQ != 0:
+                    if B_DQ == 1:
+                        b_c = _dq_codes_b(b_base, n_b, n_mask, kk * BK, K, stride_bn, stride_bk, B_DQ, BK)
+                    b = _dq_values_b(b_c, b_s, B_DQ, BN, BK, INTERPRETED)
+                    b_s = _dq_scales_b(b_s_base, n_b, n_mask, k_next, K, stride_bsn, stride_bsk, B_DQ, BK)
+                    if B_DQ == 2:
+                        b_c = _dq_codes_b(b_base, n_b, n_mask, k_next, K, stride_bn, stride_bk, B_DQ, BK)
+                    if TWO_ACC:
+                        if B_DQ == 1:
+                            bu_c = _dq_codes_b(bu_base, n_b, n_mask, kk * BK, K, stride_bn, stride_bk, B_DQ, BK)
+                        b_up = _dq_values_b(bu_c, bu_s, B_DQ, BN, BK, INTERPRETED)
+                        bu_s = _dq_scales_b(bu_s_base, n_b, n_mask, k_next, K, stride_bsn, stride_bsk, B_DQ, BK)
+                        if B_DQ == 2:
+                            bu_c = _dq_codes_b(bu_base, n_b, n_mask, k_next, K, stride_bn, stride_bk, B_DQ, BK)
+                else:
+                    b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                    if TWO_ACC:
+                        b_up = tl.load(b_ptrs + G * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
                 a_ptrs += BK
                 b_ptrs += BK * stride_bk
             if INTERPRETED:
@@ -320,6 +366,83 @@ def _grouped_gemm_kernel(
             # Σ_f g_z·a over this F tile, chunks added in column order: a fixed order.
             part = tl.where(is_real, part, 0.0)
             tl.store(partial_ptr + tn.to(tl.int64) * M + rows, part, mask=row_mask)
+
+
+# Load-path dequantization (A_DQ / B_DQ): codes blocked along K become bf16 code·block_scale, the
+# values of quantize.dequantized's pass bit for bit (the fp32 product is exact, and so is its bf16
+# rounding but for mxfp8's tiny-block caveat, _operands.py). Codes and scales past K or outside the
+# row / column masks load as 0, so those values are 0. RECIPE: 1 mxfp8 (blocks of 32), 2 nvfp4 (16,
+# codes packed in pairs along K).
+
+
+@triton.jit
+def _dq_scales_a(s_ptr, rows64, row_mask, k0, K, stride_asm, stride_ask, RECIPE: tl.constexpr, BK: tl.constexpr):
+    """(BM, BK/B) block-scale codes of A's K step at k0."""
+    B: tl.constexpr = 32 if RECIPE == 1 else 16
+    tl.static_assert(BK % B == 0, "a K step holds whole scale blocks")
+    kb = k0 // B + tl.arange(0, BK // B)
+    return tl.load(s_ptr + rows64[:, None] * stride_asm + kb[None, :] * stride_ask,
+                   mask=row_mask[:, None] & (kb * B < K)[None, :], other=0)  # fmt: skip
+
+
+@triton.jit
+def _dq_codes_a(a_ptr, rows64, row_mask, k0, K, stride_am, RECIPE: tl.constexpr, BK: tl.constexpr):
+    """A's codes of the K step at k0: (BM, BK) bytes, nvfp4 (BM, BK/2) packed pairs."""
+    if RECIPE == 2:
+        k2 = k0 // 2 + tl.arange(0, BK // 2)
+        return tl.load(a_ptr + rows64[:, None] * stride_am + k2[None, :],
+                       mask=row_mask[:, None] & (2 * k2 < K)[None, :], other=0)  # fmt: skip
+    else:
+        k = k0 + tl.arange(0, BK)
+        return tl.load(a_ptr + rows64[:, None] * stride_am + k[None, :], mask=row_mask[:, None] & (k < K)[None, :],
+                       other=0)  # fmt: skip
+
+
+@triton.jit
+def _dq_values_a(c, s, RECIPE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A's (BM, BK) bf16 values from _dq_codes_a's codes and _dq_scales_a's scales."""
+    B: tl.constexpr = 32 if RECIPE == 1 else 16
+    sv = block_scale_values(s, RECIPE)
+    if RECIPE == 2:
+        c = unpack_e2m1(c, 1)
+        sv = sv * 16384.0  # code_values' nvfp4 values are 2^-14 of the codes' (exact)
+    return (code_values(c, RECIPE, INTERPRETED) * _per_block_spread(sv, BM, BK // B, B)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dq_scales_b(s_base, n_b, n_mask, k0, K, stride_bsn, stride_bsk, RECIPE: tl.constexpr, BK: tl.constexpr):
+    """(BK/B, BN) block-scale codes of B's K step at k0: B(n, block kb) at s_base + n·stride_bsn + kb·stride_bsk."""
+    B: tl.constexpr = 32 if RECIPE == 1 else 16
+    tl.static_assert(BK % B == 0, "a K step holds whole scale blocks")
+    kb = k0 // B + tl.arange(0, BK // B)
+    return tl.load(s_base + kb[:, None] * stride_bsk + n_b[None, :] * stride_bsn,
+                   mask=(kb * B < K)[:, None] & n_mask[None, :], other=0)  # fmt: skip
+
+
+@triton.jit
+def _dq_codes_b(b_base, n_b, n_mask, k0, K, stride_bn, stride_bk, RECIPE: tl.constexpr, BK: tl.constexpr):
+    """B's codes of the K step at k0, B(k, n) at b_base + n·stride_bn + k·stride_bk: (BK, BN) bytes,
+    nvfp4 (BK/2, BN) packed pairs (byte k // 2)."""
+    if RECIPE == 2:
+        k2 = k0 // 2 + tl.arange(0, BK // 2)
+        return tl.load(b_base + k2[:, None] * stride_bk + n_b[None, :] * stride_bn,
+                       mask=(2 * k2 < K)[:, None] & n_mask[None, :], other=0)  # fmt: skip
+    else:
+        k = k0 + tl.arange(0, BK)
+        return tl.load(b_base + k[:, None] * stride_bk + n_b[None, :] * stride_bn,
+                       mask=(k < K)[:, None] & n_mask[None, :], other=0)  # fmt: skip
+
+
+@triton.jit
+def _dq_values_b(c, s, RECIPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """B's (BK, BN) bf16 values from _dq_codes_b's codes and _dq_scales_b's scales."""
+    B: tl.constexpr = 32 if RECIPE == 1 else 16
+    sv = block_scale_values(s, RECIPE)
+    if RECIPE == 2:
+        c = unpack_e2m1(c, 0)
+        sv = sv * 16384.0
+    spread = tl.reshape(tl.broadcast_to(sv[:, None, :], (BK // B, B, BN)), (BK, BN))
+    return (code_values(c, RECIPE, INTERPRETED) * spread).to(tl.bfloat16)
 
 
 @triton.jit
@@ -1037,10 +1160,21 @@ def launch_grouped_gemm(
     b_scale_strides: tuple[int, int, int] | None = None,  # ... tile (n//128, k//128) of expert e at e·s0 + ·s1 + ·s2
     acc_scale=None,  # 0-d fp32 tensor multiplied onto the fp32 accumulator (nvfp4's per-tensor factors)
     wgrad_codes: WgradCodes | None = None,  # FC2_DGRAD under fp8_block: g_h / z quantized for dW1 / dW2
+    dequant: tuple[int, int] = (0, 0),  # (A, B): 1 mxfp8 / 2 nvfp4 codes dequantized in the load path (below)
 ) -> None:
+    """``dequant``: an operand given as mxfp8 / nvfp4 codes blocked along K (uint8; nvfp4 packed in
+    pairs along K), its uint8 block-scale codes in ``a_scales`` ((M, ⌈K/B⌉), any strides) or
+    ``b_scales`` (element (n, K block) of expert e at e·s0 + n·s1 + kb·s2 of ``b_scale_strides``);
+    b_strides then count bytes, k in pairs for nvfp4. The kernel forms the bf16 values the
+    ``quantize.dequantized*`` passes would store and runs the bf16 product on them."""
     M = a.shape[0]
     E = splits.shape[0]
-    fp8 = a_scales is not None
+    a_dq, b_dq = dequant
+    fp8 = a_scales is not None and not (a_dq or b_dq)
+    if (a_dq and a_scales is None) or (b_dq and (b_scales is None or b_scale_strides is None)):
+        raise ValueError("dequant: an operand decoded in the load path needs its block scales")
+    if (a_dq or b_dq) and config.BK % (32 if 1 in dequant else 16):
+        raise ValueError(f"dequant: BK {config.BK} must hold whole scale blocks")
     if wgrad_codes is not None:
         if epilogue != FC2_DGRAD.value or not fp8:
             raise ValueError("wgrad_codes: the FC2_DGRAD epilogue of an fp8_block GEMM quantizes for the wgrads")
@@ -1055,7 +1189,7 @@ def launch_grouped_gemm(
     dummy = a  # never dereferenced: the constexpr flags switch its loads and stores off
     b_kmajor = b_strides[2] == 1
     glu_gather = glu and epilogue == FC1.value
-    use_tma = _tma_ok(a, b) and (
+    use_tma = not (a_dq or b_dq) and _tma_ok(a, b) and (
         not glu_gather
         or N % cfg.glu_interleave == 0
         and (cfg.glu_interleave == N or cfg.glu_interleave % config.BN == 0)
@@ -1092,8 +1226,8 @@ def launch_grouped_gemm(
         z if z is not None else dummy,
         h if h is not None else dummy,
         partial if partial is not None else dummy,
-        a_scales if fp8 else dummy,
-        b_scales if fp8 else dummy,
+        a_scales if a_scales is not None else dummy,
+        b_scales if b_scales is not None else dummy,
         acc_scale if acc_scale is not None else dummy,
         *(wgrad_codes.pointers(dummy) if wgrad_codes is not None else (dummy,) * 4),
         wgrad_codes.P if wgrad_codes is not None else 0,
@@ -1101,12 +1235,13 @@ def launch_grouped_gemm(
         N,
         K,
         E,
+        a.stride(0),
         b_strides[0],
         b_strides[1],
         b_strides[2],
-        a_scales.stride(0) if fp8 else 0,
-        a_scales.stride(1) if fp8 else 0,
-        *(b_scale_strides if fp8 else (0, 0, 0)),
+        a_scales.stride(0) if a_scales is not None else 0,
+        a_scales.stride(1) if a_scales is not None else 0,
+        *(b_scale_strides if b_scales is not None else (0, 0, 0)),
         N1,
         cfg.glu_interleave if glu else 1,
         float(params[0]),
@@ -1140,6 +1275,8 @@ def launch_grouped_gemm(
         QUANT_G=wgrad_codes is not None and wgrad_codes.g_t is not None,
         QUANT_Z=wgrad_codes is not None and wgrad_codes.z_t is not None,
         POW2=wgrad_codes is not None and wgrad_codes.pow2,
+        A_DQ=a_dq,
+        B_DQ=b_dq,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

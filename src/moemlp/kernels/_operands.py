@@ -15,10 +15,15 @@ Every GEMM of the MLP quantizes both operands along its reduction dim. Two ways 
   weight the forward did not keep. Across the micro-batches of an optimizer step even that pass
   can be skipped: ``moemlp.quantize_weights`` holds both layouts of each weight, and the forward
   builds its Weights from them (``cached_weights``).
-* emulated (mxfp8, nvfp4): each operand becomes its dequantized values code·block_scale in bf16
-  (``quantize.dequantized*``), and the bf16 kernels run on them; nvfp4's per-tensor factors
-  (1/S_enc of each operand) multiply the fp32 accumulator (ACC_SCALE) before any epilogue. Exact
-  for nvfp4 and for every bf16/fp16 source; from an fp32 source (z and g_h always, x and weights
+* emulated (mxfp8, nvfp4): the bf16 kernels run on each operand's dequantized values
+  code·block_scale in bf16; nvfp4's per-tensor factors (1/S_enc of each operand) multiply the fp32
+  accumulator (ACC_SCALE) before any epilogue. By default a ``quantize.dequantized*`` pass stores
+  the values first. In the forward and dgrad GEMMs the kernel can instead form them in its load
+  path from the quantizer's codes and scales (``LOAD_PATH_ACT`` / ``LOAD_PATH_WEIGHT``: the
+  kernel's A_DQ / B_DQ), the same bf16 values and so the same result bits; off, since it measured
+  slower (the comment at the switches). The weight-gradient GEMMs (operands blocked along the rows
+  in the expert-padded layout) always take the pass. Exact for
+  nvfp4 and for every bf16/fp16 source; from an fp32 source (z and g_h always, x and weights
   with fp32 compute) mxfp8 values of a block whose amax is ≤ 1.05e-35 can lie below bf16's
   subnormal grid and round to it (absolute error ≤ 2^-134; ``tiny_blocks_exact=False``), instead
   of running the GEMMs on fp32 operands at a fraction of the speed.
@@ -36,6 +41,15 @@ import torch
 from torch import Tensor
 
 from . import quantize as kq
+
+# mxfp8 / nvfp4: activations (A) and weights (B) of the forward and dgrad GEMMs reach the kernel as
+# codes and scales, dequantized in its load path (True), or as bf16 values from a dequantize pass
+# (False). Off: on the H200 (triton 3.6, 2026-11-30, benchmarks/bench_load_path.py) the load-path
+# FC1 took 19.8 ms (mxfp8) and 42.1 ms (nvfp4) against 6.2 / 6.4 ms for the bf16 kernel on the
+# pass's values (mixtral-8x7b), and the whole forward + backward 88.0 / 185.9 ms against 41.4 /
+# 50.5 ms with the passes; benchmarks/NOTES.md says what limits it.
+LOAD_PATH_ACT = False
+LOAD_PATH_WEIGHT = False
 
 
 def is_native(recipe) -> bool:
@@ -57,9 +71,10 @@ def _times(f: Optional[Tensor], g: Optional[Tensor]) -> Optional[Tensor]:
 class ActOperand:
     """A of a grouped GEMM: (M, K) rows grouped by expert, quantized along K."""
 
-    a: Tensor  # e4m3 codes (native) or dequantized values
-    scales: Optional[Tensor] = None  # native: (M, ⌈K/128⌉) fp32
+    a: Tensor  # e4m3 codes (native), dequantized values, or (dq) mxfp8 / nvfp4 codes as uint8
+    scales: Optional[Tensor] = None  # native: (M, ⌈K/128⌉) fp32; dq: (M, ⌈K/B⌉) uint8 scale codes
     factor: Optional[Tensor] = None  # nvfp4: 1/S_enc
+    dq: int = 0  # the kernel's A_DQ: 1 mxfp8 / 2 nvfp4 codes dequantized in the load path
 
 
 @dataclass
@@ -71,12 +86,21 @@ class WeightOperand:
     scales: Optional[Tensor] = None  # native: the 128×128 tile scales ...
     scale_strides: Optional[tuple[int, int, int]] = None  # ... tile (n//128, k//128) of expert e
     factor: Optional[Tensor] = None
+    dq: int = 0  # the kernel's B_DQ: b holds codes (strides in bytes), scales their (n, K block) codes
+
+
+def _factor(q) -> Optional[Tensor]:
+    """nvfp4: 1/S_enc of a quantize() result (IEEE division, as the dequantize pass's); else None."""
+    return None if q.tensor_scale is None else torch.reciprocal(q.tensor_scale)
 
 
 def act(t: Tensor, recipe) -> ActOperand:
     if is_native(recipe):
         q = kq.quantize(t, recipe, axis=-1)
         return ActOperand(q.codes, scales=q.scales)
+    if LOAD_PATH_ACT:
+        q = kq.quantize(t, recipe, axis=-1)
+        return ActOperand(q.codes.view(torch.uint8), q.scales.view(torch.uint8), _factor(q), kq.recipe_id(recipe))
     values, factor = kq.dequantized(t, recipe, axis=-1, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
     return ActOperand(values, factor=factor)
 
@@ -147,6 +171,11 @@ class Weight:
             q = self._quantized(transposed=False)
             nr, nc = q.scales.shape[1:]
             return WeightOperand(q.codes, (R * C, C, 1), q.scales, (nr * nc, nc, 1))
+        if LOAD_PATH_WEIGHT:
+            # codes (E, R, C) (nvfp4: (E, R, ⌈C/2⌉)), scales (E, R, ⌈C/B⌉): B(n, k) = W[e, n, k]
+            q = kq.quantize(self.w, self.recipe, axis=-1)
+            c, s = q.codes.view(torch.uint8), q.scales.view(torch.uint8)
+            return WeightOperand(c, tuple(c.stride()), s, tuple(s.stride()), _factor(q), kq.recipe_id(self.recipe))
         values, factor = kq.dequantized_weight(
             self.w, self.recipe, dim=-1, out_dtype=torch.bfloat16, tiny_blocks_exact=False
         )
@@ -159,6 +188,12 @@ class Weight:
             nr, nc = q.scales.shape[1:]
             # (E, C, R) K-major codes from the quantizer's transposed store; tile scales read transposed
             return WeightOperand(q.codes_t, (R * C, R, 1), q.scales, (nr * nc, 1, nc))
+        if LOAD_PATH_WEIGHT:
+            # codes (E, R, C) (nvfp4: (E, ⌈R/2⌉, C)), scales (E, ⌈R/B⌉, C): B(n, k) = W[e, k, n]
+            q = kq.quantize(self.w, self.recipe, axis=-2)
+            c, s = q.codes.view(torch.uint8), q.scales.view(torch.uint8)
+            (ce, cr, cc), (se, sr, sc) = c.stride(), s.stride()
+            return WeightOperand(c, (ce, cc, cr), s, (se, sc, sr), _factor(q), kq.recipe_id(self.recipe))
         values, factor = kq.dequantized_weight(
             self.w, self.recipe, dim=-2, out_dtype=torch.bfloat16, tiny_blocks_exact=False
         )
@@ -260,6 +295,9 @@ def cached_weights(ws: Sequence[Tensor], recipe, quantized: Sequence[Tensor]) ->
 
 def gemm_kwargs(a: ActOperand, b: WeightOperand) -> dict:
     """The recipe arguments of ``_grouped_gemm.launch_grouped_gemm`` for A @ B."""
+    if a.dq or b.dq:
+        return dict(a_scales=a.scales, b_scales=b.scales, b_scale_strides=b.scale_strides, dequant=(a.dq, b.dq),
+                    acc_scale=_times(a.factor, b.factor))  # fmt: skip
     if a.scales is not None:
         return dict(a_scales=a.scales, b_scales=b.scales, b_scale_strides=b.scale_strides)
     return dict(acc_scale=_times(a.factor, b.factor))

@@ -225,6 +225,50 @@ def e2m1_code_stochastic(y, u):
 
 
 @triton.jit
+def block_scale_values(s, RECIPE: tl.constexpr):
+    """Stored block-scale codes (uint8 / int32) -> fp32: mxfp8 e8m0 2^(s-127), nvfp4 e4m3 with the NaN
+    mark 0x7F (a block holding a NaN) -> NaN."""
+    s = s.to(tl.int32)
+    if RECIPE == 1:
+        return e8m0_dequant_multiplier(s)
+    else:
+        return tl.where(s == 0x7F, float("nan"), e4m3_value(s))
+
+
+@triton.jit
+def code_values(c, RECIPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Element codes (uint8 bits: e4m3 for mxfp8, one e2m1 nibble for nvfp4) -> fp32 values; nvfp4's
+    come out 2^-14 times too small (multiply the block scale by 16384, see below). For a GEMM's load
+    path (_grouped_gemm, A_DQ / B_DQ): a few instructions per element.
+
+    mxfp8: the hardware e4m3 conversion on the GPU; the interpreter decodes the bits
+    (``e4m3_signed_value``), since numpy reads the e4m3 NaN pattern as 480. nvfp4: the nibble
+    s e1 e0 m placed as fp16 bits s 0000 e1 e0 m 000000000 is the e2m1 value × 2^-14 (code 1, 0.5,
+    lands on fp16's subnormal 2^-15), exact in fp16 and on conversion to fp32."""
+    if RECIPE == 1:
+        if INTERPRETED:
+            return e4m3_signed_value(c.to(tl.int32))
+        else:
+            return c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        c = c.to(tl.int16)
+        return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def unpack_e2m1(packed, AXIS: tl.constexpr):
+    """(R, C) bytes of e2m1 pairs (element 2j in the low nibble, 2j+1 in the high) -> the codes,
+    unpacked along AXIS: 1 -> (R, 2C), 0 -> (2R, C)."""
+    lo = packed & 15
+    hi = packed >> 4
+    pairs = tl.join(lo, hi)  # (R, C, 2)
+    if AXIS == 1:
+        return tl.reshape(pairs, (packed.shape[0], 2 * packed.shape[1]))
+    else:
+        return tl.reshape(tl.permute(pairs, (0, 2, 1)), (2 * packed.shape[0], packed.shape[1]))
+
+
+@triton.jit
 def _mul32(x, c: tl.constexpr):
     return x * c  # uint32 arithmetic wraps mod 2^32
 
@@ -313,8 +357,9 @@ def _quantize_kernel(
         c1 = e2m1_code(x1 * inv)
         s_code = tl.where(has_nan > 0, 0x7F, s_code)
         if DEQUANT:
-            # code·s is exact (≤ 6 significant bits, 2^-10 … 2688); the NaN mark makes its block NaN
-            s = tl.where(has_nan > 0, float("nan"), e4m3_value(s_code))
+            # code·s is exact (≤ 6 significant bits, 2^-10 … 2688); the NaN mark (s_code 0x7F, set
+            # above for a block with a NaN) makes its block NaN
+            s = block_scale_values(s_code, RECIPE)
             out_ty = codes_ptr.dtype.element_ty
             v_ptr = codes_ptr + batch * M * K + off
             tl.store(v_ptr, (e2m1_value(c0) * s).to(out_ty), mask=m0)
@@ -341,8 +386,9 @@ def _quantize_kernel(
         c = e2m1_code(x * _per_block_spread(inv, BM, NB, BK // NB))
         s_code = tl.where(has_nan > 0, 0x7F, s_code)
         if DEQUANT:
-            # code·s is exact (≤ 6 significant bits, 2^-10 … 2688); the NaN mark makes its block NaN
-            s = tl.where(has_nan > 0, float("nan"), e4m3_value(s_code))
+            # code·s is exact (≤ 6 significant bits, 2^-10 … 2688); the NaN mark (s_code 0x7F, set
+            # above for a block with a NaN) makes its block NaN
+            s = block_scale_values(s_code, RECIPE)
             values = e2m1_value(c) * _per_block_spread(s, BM, NB, BK // NB)
             tl.store(codes_ptr + batch * M * K + off, values.to(codes_ptr.dtype.element_ty), mask=mask)
             s_dec = tl.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)  # the reference's 1/S_enc
@@ -533,7 +579,8 @@ def supports(recipe) -> bool:
     return isinstance(recipe, (FP8BlockRecipe, MXFP8Recipe, NVFP4Recipe))
 
 
-def _recipe_id(recipe) -> int:
+def recipe_id(recipe) -> int:
+    """The kernels' RECIPE constexpr of a recipe: 0 fp8_block, 1 mxfp8, 2 nvfp4."""
     from ..recipes import FP8BlockRecipe, MXFP8Recipe, NVFP4Recipe
 
     if isinstance(recipe, FP8BlockRecipe):
@@ -599,7 +646,7 @@ def quantize(x: Tensor, recipe, axis: int = -1):
     _check(x, "x")
     rowwise = _block_axis(x, axis)
     axis = axis % x.ndim
-    rid = _recipe_id(recipe)
+    rid = recipe_id(recipe)
     block = recipe.block
     M, K = x.shape[-2:]
     lead = tuple(x.shape[:-2])
@@ -655,7 +702,7 @@ def quantize_weight(w: Tensor, recipe, transposed: bool = False):
     copied mixtral's W1 codes with torch at 323 GB/s, 5.8 ms, 2026-11-30)."""
     from ..recipes import QuantizedTensor, fp8_block
 
-    if _recipe_id(recipe) != _FP8_BLOCK:
+    if recipe_id(recipe) != _FP8_BLOCK:
         if transposed:
             raise ValueError("transposed: only fp8_block's 128x128 tiles serve both orientations")
         return quantize(w, recipe, axis=-1)
@@ -716,7 +763,7 @@ def _wgrad_launch(t: Tensor, splits: Tensor, recipe, is_grad: bool, out: Tensor 
     """Both passes of a wgrad operand: nvfp4's amax pass, then the codes and scales (``out`` None) or
     the values written into ``out`` (T, K). Returns (codes, scales, rows, amax, factor, codes_t), the
     unused ones None: factor is nvfp4's 1/S_enc for ``out``; codes_t the (K, P) transposed codes."""
-    rid = _recipe_id(recipe)
+    rid = recipe_id(recipe)
     B = recipe.block
     T, K = t.shape
     start, count, rows, nb = _row_blocks(splits, T, B, t.device)
@@ -774,7 +821,7 @@ def quantize_wgrad(t: Tensor, splits: Tensor, recipe, is_grad: bool = False, tra
     from ..recipes import QuantizedTensor, fp8_block, mxfp8, nvfp4
 
     _check_wgrad(t, splits)
-    rid = _recipe_id(recipe)
+    rid = recipe_id(recipe)
     if transposed and rid == _NVFP4:
         raise ValueError("transposed: nvfp4 codes are packed in pairs along the rows; no transposed copy")
     B = recipe.block
@@ -839,7 +886,7 @@ def exact_dtype(recipe, src_dtype: torch.dtype = torch.bfloat16) -> torch.dtype:
     source of ``src_dtype`` (the table above): bf16 for nvfp4; bf16 for mxfp8 and fp8_block with
     power-of-two scales from a bf16/fp16 source, fp32 from an fp32 one; fp32 for fp8_block with
     pow2_scales=False."""
-    rid = _recipe_id(recipe)
+    rid = recipe_id(recipe)
     if rid == _NVFP4:
         return torch.bfloat16
     if rid == _FP8_BLOCK and not recipe.pow2_scales:
@@ -850,7 +897,7 @@ def exact_dtype(recipe, src_dtype: torch.dtype = torch.bfloat16) -> torch.dtype:
 def _check_out_dtype(recipe, src_dtype: torch.dtype, out_dtype, tiny_blocks_exact: bool = True) -> None:
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
-    rid = _recipe_id(recipe)
+    rid = recipe_id(recipe)
     if out_dtype == torch.float32 or (rid == _NVFP4 and out_dtype == torch.float16):
         return
     if out_dtype == torch.bfloat16 and exact_dtype(recipe, src_dtype) == torch.bfloat16:
@@ -892,7 +939,7 @@ def dequantized(
     run its emulated GEMMs on fp32 operands."""
     _check(x, "x")
     rowwise = _block_axis(x, axis)
-    rid = _recipe_id(recipe)
+    rid = recipe_id(recipe)
     _check_out_dtype(recipe, x.dtype, out_dtype, tiny_blocks_exact)
     M, K = x.shape[-2:]
     values = torch.empty(x.shape, dtype=out_dtype, device=x.device)
@@ -919,7 +966,7 @@ def dequantized_weight(
     ``recipe.qdq_weight(w, dim)`` as ``dequantized`` matches ``qdq``; ``tiny_blocks_exact`` as there."""
     _check(w, "w")
     _block_axis(w, dim, "dim")
-    if _recipe_id(recipe) != _FP8_BLOCK:
+    if recipe_id(recipe) != _FP8_BLOCK:
         return dequantized(w, recipe, axis=dim, out_dtype=out_dtype, tiny_blocks_exact=tiny_blocks_exact)
     _check_out_dtype(recipe, w.dtype, out_dtype, tiny_blocks_exact)
     M, K = w.shape[-2:]
