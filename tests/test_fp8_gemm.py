@@ -326,6 +326,8 @@ def test_compiles_for_hopper_without_spills(case, use_tma):
         QUANT_G=wgrad_codes,
         QUANT_Z=wgrad_codes,
         POW2=True,
+        A_DQ=0,  # codes read as they are (no mxfp8 / nvfp4 load-path dequantization)
+        B_DQ=0,
     )
     ptr = {
         "a_ptr": "*fp8e4nv",

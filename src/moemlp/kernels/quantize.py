@@ -624,19 +624,28 @@ def _block_axis(x: Tensor, axis: int, name: str = "axis") -> bool:
     return axis % x.ndim == x.ndim - 1
 
 
-def _block_grid(x: Tensor, rid: int, block: int, rowwise: bool) -> tuple[tuple[int, int, int], int, int, int]:
-    """(grid, BM, BK, NB) of _quantize_kernel for 1-D blocks. Rowwise: 32 rows × 128 columns, NB
-    blocks side by side (the H200 ran nvfp4's former 32×(8+8) interleaved tiles at 263 GB/s and
-    mxfp8's 32×32 at ~1.5 TB/s, 2026-11-30). Columnwise: one block of rows per tile (nvfp4: two
+# Tiles of _quantize_kernel for 1-D blocks: rowwise (rows, columns, warps), columnwise (columns,
+# warps); the columns of a rowwise tile are a multiple of every recipe's block (128: 1 fp8_block,
+# 4 mxfp8, 8 nvfp4 blocks side by side). The H200 ran nvfp4's former 32×(8+8) interleaved tiles at
+# 263 GB/s and mxfp8's 32×32 at ~1.5 TB/s (2026-11-30); benchmarks/bench_quantizer_tiles.py sweeps.
+ROW_TILE = (32, 128, 4)
+COL_TILE = (64, 4)
+
+
+def _block_grid(x: Tensor, rid: int, block: int, rowwise: bool) -> tuple[tuple[int, int, int], int, int, int, int]:
+    """(grid, BM, BK, NB, num_warps) of _quantize_kernel for 1-D blocks. Rowwise: ROW_TILE, NB
+    blocks side by side. Columnwise: one block of rows per tile, COL_TILE's columns (nvfp4: two
     interleaved half-tiles, even and odd rows, so codes pack along the block axis)."""
     M, K = x.shape[-2:]
     batch = x.numel() // max(M * K, 1)
     if rowwise:
-        nb = max(1, 128 // block)
-        return (triton.cdiv(M, 32), triton.cdiv(K, nb * block), batch), 32, nb * block, nb
+        bm, bk, warps = ROW_TILE
+        nb = max(1, bk // block)
+        return (triton.cdiv(M, bm), triton.cdiv(K, nb * block), batch), bm, nb * block, nb, warps
+    bk, warps = COL_TILE
     if rid == _NVFP4:
-        return (triton.cdiv(M, block), triton.cdiv(K, 64), batch), block // 2, 64, 1
-    return (triton.cdiv(M, block), triton.cdiv(K, 64), batch), block, 64, 1
+        return (triton.cdiv(M, block), triton.cdiv(K, bk), batch), block // 2, bk, 1, warps
+    return (triton.cdiv(M, block), triton.cdiv(K, bk), batch), block, bk, 1, warps
 
 
 def quantize(x: Tensor, recipe, axis: int = -1):
@@ -661,12 +670,12 @@ def quantize(x: Tensor, recipe, axis: int = -1):
         )
     else:
         codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    grid, bm, bk, nblk = _block_grid(x, rid, block, rowwise)
+    grid, bm, bk, nblk, warps = _block_grid(x, rid, block, rowwise)
     if x.numel():
         _quantize_kernel[grid](
             x, codes, scales, amax, M, K, codes, STORE_T=False,
             RECIPE=rid, AXIS=_ROWWISE if rowwise else _COLWISE, BM=bm, BK=bk, NB=nblk,
-            POW2=bool(getattr(recipe, "pow2_scales", False)), VMAX=_vmax(x.dtype), DEQUANT=False,
+            POW2=bool(getattr(recipe, "pow2_scales", False)), VMAX=_vmax(x.dtype), DEQUANT=False, num_warps=warps,
         )  # fmt: skip
     if rid == _NVFP4:
         return QuantizedTensor(
@@ -945,12 +954,12 @@ def dequantized(
     values = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     factor = _factor(rid, x.device)
     amax = tensor_amax(x) if rid == _NVFP4 else x  # x: a placeholder, read by nvfp4 only
-    grid, bm, bk, nblk = _block_grid(x, rid, recipe.block, rowwise)
+    grid, bm, bk, nblk, warps = _block_grid(x, rid, recipe.block, rowwise)
     if x.numel():
         _quantize_kernel[grid](
             x, values, factor if factor is not None else values, amax, M, K, values, STORE_T=False,
             RECIPE=rid, AXIS=_ROWWISE if rowwise else _COLWISE, BM=bm, BK=bk, NB=nblk,
-            POW2=bool(getattr(recipe, "pow2_scales", False)), VMAX=_vmax(x.dtype), DEQUANT=True,
+            POW2=bool(getattr(recipe, "pow2_scales", False)), VMAX=_vmax(x.dtype), DEQUANT=True, num_warps=warps,
         )  # fmt: skip
     elif factor is not None:
         factor.fill_(1.0)  # no elements: amax 0, S_enc 1
