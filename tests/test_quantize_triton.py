@@ -186,3 +186,21 @@ def test_launcher_rejects_bad_inputs():
         kq.quantize(torch.zeros(4, 6)[:, ::2], r)
     with pytest.raises(ValueError, match="axis"):
         kq.quantize(torch.zeros(2, 4, 6), r, axis=0)
+
+
+@pytest.mark.parametrize("rid,uses_hw", [(0, True), (1, True), (2, False)])
+def test_e4m3_rounding_on_hopper_is_the_hardware_conversion_but_for_nvfp4(rid, uses_hw):
+    # Offline sm_90 compile (no GPU): fp8_block's and mxfp8's element codes round with
+    # cvt.rn.satfinite.e4m3x2.f32 (half the instructions of the integer path, 2026-11-30), nvfp4's
+    # block scales keep the integer path (kernels/quantize.py, e4m3_code_integer).
+    import _sm90
+    from moemlp.kernels import quantize as kq
+
+    if not getattr(kq.HW_E4M3, "value", kq.HW_E4M3):
+        pytest.skip("the interpreter's integer path")
+    const = dict(RECIPE=rid, AXIS=1, BM=32, BK=128, NB=128 // (128, 32, 16)[rid], POW2=True, VMAX=3.0e38,
+                 DEQUANT=False, STORE_T=False)  # fmt: skip
+    ptr = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp32" if rid == 0 else "*u8", "amax_ptr": "*fp32",
+           "codes_t_ptr": "*u8"}  # fmt: skip
+    ptx, _, _ = _sm90.compile_sm90(kq._quantize_kernel, const, ptr, None, 4, 1)
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == uses_hw

@@ -262,7 +262,7 @@ def _grouped_gemm_kernel(
                 if A_DQ != 0:
                     if A_DQ == 1:
                         a_c = _dq_codes_a(a_ptr, rows64, row_mask, kk * BK, K, stride_am, A_DQ, BK)
-                    a = _dq_values_a(a_c, a_s, A_DQ, BM, BK, INTERPRETED)
+                    a = _dq_values_a(a_c, a_s, A_DQ, BM, BK)
                     a_s = _dq_scales_a(a_scale_ptr, rows64, row_mask, k_next, K, stride_asm, stride_ask, A_DQ, BK)
                     if A_DQ == 2:
                         a_c = _dq_codes_a(a_ptr, rows64, row_mask, k_next, K, stride_am, A_DQ, BK)
@@ -271,14 +271,14 @@ def _grouped_gemm_kernel(
                 if B_DQ != 0:
                     if B_DQ == 1:
                         b_c = _dq_codes_b(b_base, n_b, n_mask, kk * BK, K, stride_bn, stride_bk, B_DQ, BK)
-                    b = _dq_values_b(b_c, b_s, B_DQ, BN, BK, INTERPRETED)
+                    b = _dq_values_b(b_c, b_s, B_DQ, BN, BK)
                     b_s = _dq_scales_b(b_s_base, n_b, n_mask, k_next, K, stride_bsn, stride_bsk, B_DQ, BK)
                     if B_DQ == 2:
                         b_c = _dq_codes_b(b_base, n_b, n_mask, k_next, K, stride_bn, stride_bk, B_DQ, BK)
                     if TWO_ACC:
                         if B_DQ == 1:
                             bu_c = _dq_codes_b(bu_base, n_b, n_mask, kk * BK, K, stride_bn, stride_bk, B_DQ, BK)
-                        b_up = _dq_values_b(bu_c, bu_s, B_DQ, BN, BK, INTERPRETED)
+                        b_up = _dq_values_b(bu_c, bu_s, B_DQ, BN, BK)
                         bu_s = _dq_scales_b(bu_s_base, n_b, n_mask, k_next, K, stride_bsn, stride_bsk, B_DQ, BK)
                         if B_DQ == 2:
                             bu_c = _dq_codes_b(bu_base, n_b, n_mask, k_next, K, stride_bn, stride_bk, B_DQ, BK)
@@ -399,14 +399,14 @@ def _dq_codes_a(a_ptr, rows64, row_mask, k0, K, stride_am, RECIPE: tl.constexpr,
 
 
 @triton.jit
-def _dq_values_a(c, s, RECIPE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, INTERPRETED: tl.constexpr):
+def _dq_values_a(c, s, RECIPE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """A's (BM, BK) bf16 values from _dq_codes_a's codes and _dq_scales_a's scales."""
     B: tl.constexpr = 32 if RECIPE == 1 else 16
     sv = block_scale_values(s, RECIPE)
     if RECIPE == 2:
         c = unpack_e2m1(c, 1)
         sv = sv * 16384.0  # code_values' nvfp4 values are 2^-14 of the codes' (exact)
-    return (code_values(c, RECIPE, INTERPRETED) * _per_block_spread(sv, BM, BK // B, B)).to(tl.bfloat16)
+    return (code_values(c, RECIPE) * _per_block_spread(sv, BM, BK // B, B)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -434,7 +434,7 @@ def _dq_codes_b(b_base, n_b, n_mask, k0, K, stride_bn, stride_bk, RECIPE: tl.con
 
 
 @triton.jit
-def _dq_values_b(c, s, RECIPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRETED: tl.constexpr):
+def _dq_values_b(c, s, RECIPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """B's (BK, BN) bf16 values from _dq_codes_b's codes and _dq_scales_b's scales."""
     B: tl.constexpr = 32 if RECIPE == 1 else 16
     sv = block_scale_values(s, RECIPE)
@@ -442,7 +442,7 @@ def _dq_values_b(c, s, RECIPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         c = unpack_e2m1(c, 0)
         sv = sv * 16384.0
     spread = tl.reshape(tl.broadcast_to(sv[:, None, :], (BK // B, B, BN)), (BK, BN))
-    return (code_values(c, RECIPE, INTERPRETED) * spread).to(tl.bfloat16)
+    return (code_values(c, RECIPE) * spread).to(tl.bfloat16)
 
 
 @triton.jit
