@@ -3,8 +3,11 @@
 
 Every rounding is written out in integer arithmetic on the fp32 bit pattern (e4m3 round-to-nearest-
 even incl. subnormals, e8m0, e2m1 thresholds) and every division is ``tl.div_rn``: the result
-then does not depend on the GPU's conversion instructions, on Triton's lowering of ``/`` (not
-IEEE-rounded on every version), nor on the CPU interpreter's numpy emulation. The ``@triton.jit``
+then does not depend on Triton's lowering of ``/`` (not IEEE-rounded on every version), nor on the
+CPU interpreter's numpy emulation. One exception, for speed: on the GPU the e4m3 element codes of
+fp8_block and mxfp8 (``e4m3_code``) and their decoding (``e4m3_signed_value``) use the hardware
+conversions, whose rounding is the reference's (``HW_E4M3``; checked bit for bit on the H200);
+nvfp4's block scales keep the integer path (``e4m3_code_integer``). The ``@triton.jit``
 helpers (``e4m3_code``, ``fp8_block_scale``, ``e8m0_exponent``, ``nvfp4_block_scale``,
 ``e2m1_code``) are meant to be called from GEMM epilogues too.
 
