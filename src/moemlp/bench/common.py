@@ -90,6 +90,13 @@ def median_ms(fn: Callable[[], object], device: torch.device, *, warmup_ms=25, r
     return statistics.median(times)
 
 
+def fwd_and_fwd_bwd_ms(fn, leaves, dy, device: torch.device, rep_ms: int) -> tuple[float, float]:
+    """Median ms of ``fn()`` under no_grad, and of ``fn()`` plus autograd.grad of ``leaves`` with ``dy``."""
+    with torch.no_grad():
+        fwd = median_ms(fn, device, rep_ms=rep_ms)
+    return fwd, median_ms(lambda: torch.autograd.grad(fn(), leaves, dy), device, rep_ms=rep_ms)
+
+
 def saved_bytes_per_row(fn: Callable[[], torch.Tensor], exclude: Sequence[torch.Tensor], rows: int) -> float:
     """Bytes autograd keeps for backward per routed row, beyond the tensors in ``exclude``
     (inputs and parameters); each storage counted once."""

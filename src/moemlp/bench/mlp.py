@@ -10,7 +10,7 @@ import torch
 from ..functional import grouped_mlp
 from .common import (
     device_description,
-    median_ms,
+    fwd_and_fwd_bwd_ms,
     print_table,
     routed_problem,
     saved_bytes_per_row,
@@ -43,9 +43,7 @@ def bench_shape(shape, device, backend: str, rep_ms: int) -> dict:
     row = {"shape": shape.name, "H": shape.hidden, "F": shape.ffn, "E": shape.experts,
            "top_k": shape.top_k, "tokens": shape.tokens, "M": shape.rows}
     for label, fn in (("moemlp", ours), ("torch", peer)):
-        with torch.no_grad():
-            fwd = median_ms(fn, device, rep_ms=rep_ms)
-        fwd_bwd = median_ms(lambda fn=fn: torch.autograd.grad(fn(), leaves, dy), device, rep_ms=rep_ms)
+        fwd, fwd_bwd = fwd_and_fwd_bwd_ms(fn, leaves, dy, device, rep_ms)
         row[f"{label}_fwd_ms"] = fwd
         row[f"{label}_fwdbwd_ms"] = fwd_bwd
         row[f"{label}_fwd_tflops"] = shape.flops(False) / fwd / 1e9

@@ -17,7 +17,7 @@ import torch
 
 from .._quantized_weights import quantize_weights
 from ..functional import grouped_mlp
-from .common import device_description, median_ms, print_table, routed_problem, write_csv
+from .common import device_description, fwd_and_fwd_bwd_ms, print_table, routed_problem, write_csv
 
 RECIPES = ("fp8_block", "mxfp8", "nvfp4")
 CACHED = "fp8_block_wcache"  # fp8_block, weights quantized once per step (micro-batches after the first)
@@ -53,9 +53,7 @@ def bench_shape(shape, device, backend: str, rep_ms: int, recipes=RECIPES) -> di
             if not snr >= SANITY_DB[name]:
                 raise RuntimeError(f"{shape.name}: {name} output is {snr:.1f} dB from bf16's (< {SANITY_DB[name]})")
             row[f"{label}_snr_db"] = snr
-        with torch.no_grad():
-            fwd = median_ms(fn, device, rep_ms=rep_ms)
-        fwd_bwd = median_ms(lambda fn=fn: torch.autograd.grad(fn(), leaves, dy), device, rep_ms=rep_ms)
+        fwd, fwd_bwd = fwd_and_fwd_bwd_ms(fn, leaves, dy, device, rep_ms)
         row[f"{label}_fwd_ms"] = fwd
         row[f"{label}_fwdbwd_ms"] = fwd_bwd
         row[f"{label}_fwdbwd_tflops"] = shape.flops(True) / fwd_bwd / 1e9

@@ -121,30 +121,7 @@ def grouped_mlp_fwd(
     # round(a·p), FC2's input, freed on return; fp32 under a recipe, which quantizes the unrounded z
     z = torch.empty((M, F), dtype=x.dtype if r is None else torch.float32, device=x.device)
     y = torch.empty((M, H), dtype=x.dtype, device=x.device)
-    # FC1: B[e] = W1[e]ᵀ, element (n, k) = W1[e, n, k].
-    _gemm(
-        gg.FC1.value,
-        x,
-        fc1_weight,
-        (N1 * H, H, 1),
-        "forward",
-        splits,
-        probs,
-        fc1_bias,
-        h,
-        z,
-        None,
-        None,
-        N=F,
-        K=H,
-        N1=N1,
-        cfg=cfg,
-        scale_bias=False,
-        store_z=True,
-        store_partial=False,
-        kind="fc1",
-        weight=w1,
-    )
+    _fc1(x, splits, probs, fc1_weight, fc1_bias, h, z, cfg, w1)
     # FC2: B[e] = W2[e]ᵀ, element (n, k) = W2[e, n, k], n over H, k over F.
     _gemm(
         gg.FC2.value,
@@ -170,6 +147,21 @@ def grouped_mlp_fwd(
         weight=w2,
     )
     return (y, h) if keep_dgrad is None else (y, h, saved)
+
+
+def _fc1(x, splits, probs, fc1_weight, fc1_bias, h, z, cfg, weight) -> None:
+    """FC1's launch, x @ W1[e]ᵀ (B element (n, k) = W1[e, n, k]) with its epilogue: h, and z when
+    given (the forward; grouped_fc1's recompute stores h alone). ``weight``: W1's _operands.Weight."""
+    from . import _grouped_gemm as gg
+
+    M, H = x.shape
+    N1 = fc1_weight.shape[1]
+    F = N1 // 2 if cfg.glu else N1
+    _gemm(
+        gg.FC1.value, x, fc1_weight, (N1 * H, H, 1), "forward", splits, probs, fc1_bias, h, z, None, None,
+        N=F, K=H, N1=N1, cfg=cfg, scale_bias=False, store_z=z is not None, store_partial=False, kind="fc1",
+        weight=weight,
+    )  # fmt: skip
 
 
 def _gemm(
@@ -238,42 +230,16 @@ def grouped_fc1(
     quantized: Sequence[Tensor] = (),  # fp8_block: W1's codes, codes_t, scales (quantize_weights)
 ) -> Tensor:
     """h (M, N1) alone, for recompute_fc1: the FC1 launch of the forward without z."""
-    from . import _grouped_gemm as gg
-
     _check_recipe(cfg)
     _check_contiguous(x=x, splits=splits, fc1_weight=fc1_weight, fc1_bias=fc1_bias)
-    M, H = x.shape
-    E, N1, _ = fc1_weight.shape
-    F = N1 // 2 if cfg.glu else N1
+    M, N1 = x.shape[0], fc1_weight.shape[1]
     w1 = None
     if quantized:
         from . import _operands
 
         (w1,) = _operands.cached_weights((fc1_weight,), cfg.recipe, quantized)
     h = torch.empty((M, N1), dtype=x.dtype, device=x.device)
-    _gemm(
-        gg.FC1.value,
-        x,
-        fc1_weight,
-        (N1 * H, H, 1),
-        "forward",
-        splits,
-        None,
-        fc1_bias,
-        h,
-        None,
-        None,
-        None,
-        N=F,
-        K=H,
-        N1=N1,
-        cfg=cfg,
-        scale_bias=False,
-        store_z=False,
-        store_partial=False,
-        kind="fc1",
-        weight=w1,
-    )
+    _fc1(x, splits, None, fc1_weight, fc1_bias, h, None, cfg, w1)
     return h
 
 
