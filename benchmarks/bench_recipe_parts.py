@@ -79,7 +79,7 @@ def main():
     row("fp8 quantize_wgrad(x)", bench(lambda: kq.quantize_wgrad(x, splits, fp8)), x.numel() * 3 * gb)
     row("fp8 quantize_wgrad(g_h fp32)", bench(lambda: kq.quantize_wgrad(g_h, splits, fp8, True)), g_h.numel() * 5 * gb)
     row("fp8 quantize_wgrad(g_h fp32, transposed=True)",
-        bench(lambda: kq.quantize_wgrad(g_h, splits, fp8, True, transposed=True)), g_h.numel() * 6 * gb)
+        bench(lambda: kq.quantize_wgrad(g_h, splits, fp8, True, transposed=True)), g_h.numel() * 5 * gb)
     qx = kq.quantize(x, fp8, -1)
     row("fp8 FC1 GEMM (plain epilogue)", bench(lambda: fp8_block_grouped_gemm(qx, qw1, splits, torch.bfloat16)))
     offs = torch.cumsum(splits, 0).to(torch.int32)

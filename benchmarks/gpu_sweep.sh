@@ -2,7 +2,7 @@
 # One device call: GPU tests in parallel groups (each with its own time limit, failures listed with
 # one line each), then the benches, one at a time. Logs, CSV and PNG under $OUT; short tables last.
 # Usage (device): bash benchmarks/gpu_sweep.sh [PART,PART...]   PART: tests bf16tests precision bench
-#   recipes profile loadpath parts, run in that order; default tests,recipes,parts. A part whose time limit would
+#   recipes profile loadpath wgradq parts, run in that order; default tests,recipes,parts. A part whose time limit would
 #   pass DEADLINE seconds from the start (default 590: the device's 600 s per call) is skipped.
 # A cold H200 spends most of a test group's time compiling kernels (one Triton compile per recipe,
 # dtype and constexpr set): run one after another, the groups ran past 600 s (2026-11-30), so they
@@ -78,6 +78,10 @@ if has loadpath && fits loadpath 120; then  # mxfp8/nvfp4: load-path dequantizat
   timeout $(( DEADLINE - SECONDS )) python3 benchmarks/bench_load_path.py ${LOADPATH_ARGS:---fc1-configs} \
     > "$OUT/load_path.log" 2>&1
   grep -v Warn "$OUT/load_path.log" | tail -22
+fi
+if has wgradq && fits wgradq 120; then  # the wgrad operand quantizer's tiles and the fp8 wgrad GEMM's configs
+  timeout $(( DEADLINE - SECONDS )) python3 benchmarks/bench_wgrad_quantizer.py --gemm > "$OUT/wgrad_quantizer.log" 2>&1
+  grep -v Warn "$OUT/wgrad_quantizer.log" | grep -A40 '^summed'
 fi
 if has parts && fits parts 60; then
   timeout $(( DEADLINE - SECONDS )) python3 benchmarks/bench_recipe_parts.py --out "$OUT" > "$OUT/parts.log" 2>&1

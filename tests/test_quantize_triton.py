@@ -47,6 +47,8 @@ def _data(shape, dtype, seed):
     x = (x * 10.0**exps).to(dtype)
     flat = x.view(-1)
     n = flat.numel()
+    if n == 0:
+        return x
     for v, k in ((float("nan"), 2), (float("inf"), 1), (float("-inf"), 1), (0.0, 5)):
         flat[torch.randint(0, n, (k,), generator=g)] = v
     if dtype == torch.float32:
@@ -75,7 +77,7 @@ def _same(a, b, what):
 def check_quantizers_match_torch(device: str, big: bool = False, keys=RECIPES) -> None:
     from moemlp.kernels import quantize as kq
 
-    shapes = [(37, 70), (3, 40, 33), (1, 1), (130, 129)]
+    shapes = [(37, 70), (3, 40, 33), (1, 1), (130, 129), (0, 40), (2, 0, 16)]  # empty ones: an EP rank's zero tokens
     if big:
         shapes += [(1000, 1030), (4, 384, 640)]
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
@@ -109,7 +111,7 @@ def check_quantizers_match_torch(device: str, big: bool = False, keys=RECIPES) -
 def check_wgrad_matches_torch(device: str, big: bool = False, keys=WGRAD_RECIPES) -> None:
     from moemlp.kernels import quantize as kq
 
-    cases = [([40, 0, 7, 150], 5, 24), ([16, 16], 0, 48), ([3], 2, 20)]
+    cases = [([40, 0, 7, 150], 5, 24), ([16, 16], 0, 48), ([3], 2, 20), ([0, 0], 0, 24)]  # the last: no rows at all
     if big:
         cases += [([1000, 0, 37, 2048, 500], 64, 512)]
     for key in keys:

@@ -220,8 +220,8 @@ def _wgrad_parts(q, name: str) -> tuple[Tensor, Tensor, Tensor]:
         )
     if rows.ndim != 1:
         raise ValueError(f"{name}.rows: expected (T,), got shape {tuple(rows.shape)}")
-    if not codes.is_contiguous():
-        raise ValueError(f"{name}.codes: expected a contiguous tensor")
+    # codes may be a strided view: quantize_wgrad(..., transposed=True) stores only codes_t and gives
+    # codes as its transposed view; without codes_t, _k_major copies whatever layout codes has
     return codes, scales, rows
 
 
@@ -281,7 +281,7 @@ def fp8_block_grouped_wgrad(
         if t.device != device:
             raise TypeError(f"{what}: expected a tensor on {device} (g_q.codes'), got {t.device}")
     # K-major operands for wgmma: Gᵀ (N, P), Xᵀ (K, P). (T = 0: every expert has no block, so the
-    # kernel reads no code and stores zeros; the quantizer leaves such codes unwritten.)
+    # kernel reads no code and stores zeros.)
     return _launch(_k_major(g_q, g_codes), g_scales, _k_major(x_q, x_codes), x_scales, splits, T, out_dtype, config)
 
 

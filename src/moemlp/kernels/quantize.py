@@ -535,7 +535,8 @@ def _wgrad_kernel(
     STOCHASTIC: tl.constexpr,  # nvfp4: stochastic rounding (gradient operand)
     AMAX_ONLY: tl.constexpr,  # nvfp4 first pass: the amax of the (rotated) operand
     DEQUANT: tl.constexpr,  # write code·block_scale back to the source rows instead of codes and scales
-    STORE_T: tl.constexpr,  # also store the codes transposed (fp8_block, mxfp8)
+    STORE_T: tl.constexpr,  # store the codes transposed (fp8_block, mxfp8)
+    STORE_ROWS: tl.constexpr,  # store the codes in rows (P, K); off with STORE_T: the wgrad GEMM reads only codes_t
 ):
     pid_b = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -589,7 +590,8 @@ def _wgrad_kernel(
             tl.store(codes_ptr + src, values.to(codes_ptr.dtype.element_ty), mask=out_mask)
         else:
             rp = pid_b.to(tl.int64) * B + r
-            tl.store(codes_ptr + rp[:, None] * K + rk[None, :], codes.to(tl.uint8), mask=(rk < K)[None, :])
+            if STORE_ROWS:
+                tl.store(codes_ptr + rp[:, None] * K + rk[None, :], codes.to(tl.uint8), mask=(rk < K)[None, :])
             if STORE_T:
                 P = tl.num_programs(0).to(tl.int64) * B
                 tl.store(codes_t_ptr + rk.to(tl.int64)[:, None] * P + rp[None, :], tl.trans(codes.to(tl.uint8)),
@@ -656,6 +658,12 @@ def _block_axis(x: Tensor, axis: int, name: str = "axis") -> bool:
 # 4 mxfp8, 8 nvfp4 blocks side by side). The H200 ran nvfp4's former 32×(8+8) interleaved tiles at
 # 263 GB/s and mxfp8's 32×32 at ~1.5 TB/s (2026-11-30); benchmarks/bench_quantizer_tiles.py sweeps.
 ROW_TILE = (32, 128, 4)
+# _wgrad_kernel: rows per block -> (columns per program, warps). 128 columns: the H200 ran bf16 x
+# through 128×32 tiles (64-byte row segments) at 237 GB/s against 1545 GB/s for fp32 g_h (128-byte
+# segments), 2026-11-30. Warps from ptxas sm_90 (triton 3.9), no spills with the transposed store:
+# 128 rows 8 warps (136 registers; 4 warps spilled), 32 rows 4 warps (72), 16 rows (nvfp4,
+# Hadamard) 8 warps (85). Settable for benchmarks/bench_wgrad_quantizer.py.
+WGRAD_TILE = {128: (128, 8), 32: (128, 4), 16: (128, 8)}
 COL_TILE = (64, 4)
 
 
@@ -803,12 +811,7 @@ def _wgrad_launch(t: Tensor, splits: Tensor, recipe, is_grad: bool, out: Tensor 
     B = recipe.block
     T, K = t.shape
     start, count, rows, nb = _row_blocks(splits, T, B, t.device)
-    # 128 columns per program: the H200 ran bf16 x through 128×32 tiles (64-byte row segments) at
-    # 237 GB/s against 1545 GB/s for fp32 g_h (128-byte segments), 2026-11-30. Warps per block size
-    # from ptxas sm_90 (triton 3.9), no spills with the transposed store: 128 rows 8 warps (136
-    # registers; 4 warps spilled), 32 rows 4 warps (72), 16 rows (nvfp4, Hadamard) 8 warps (85).
-    bk = 128
-    warps = {128: 8, 32: 4, 16: 8}.get(B, 4)
+    bk, warps = WGRAD_TILE[B]
     grid = (nb, triton.cdiv(K, bk))
     hadamard = rid == _NVFP4 and recipe.hadamard
     stochastic = rid == _NVFP4 and recipe.stochastic_rounding and is_grad
@@ -818,34 +821,37 @@ def _wgrad_launch(t: Tensor, splits: Tensor, recipe, is_grad: bool, out: Tensor 
     codes = scales = factor = codes_t = None
     if out is None:
         scales = torch.empty((nb, K), dtype=torch.float32 if rid == _FP8_BLOCK else torch.uint8, device=t.device)
-        codes = torch.empty((nb * B // (2 if rid == _NVFP4 else 1), K), dtype=torch.uint8, device=t.device)
-        if transposed:
+        if transposed:  # the codes are only stored transposed; ``codes`` is codes_t's transposed view
             codes_t = torch.empty((K, nb * B), dtype=torch.uint8, device=t.device)
+            codes = codes_t.t()
+        else:
+            codes = torch.empty((nb * B // (2 if rid == _NVFP4 else 1), K), dtype=torch.uint8, device=t.device)
     elif rid == _NVFP4:
         factor = torch.empty((), dtype=torch.float32, device=t.device)
     amax = torch.zeros((), dtype=torch.float32, device=t.device)
-    if rid == _NVFP4 and t.numel():
-        partial = torch.empty(grid, dtype=torch.float32, device=t.device)
-        _wgrad_kernel[grid](
-            t, start, count, partial, partial, partial, T, K, partial, AMAX_ONLY=True, DEQUANT=False, STORE_T=False,
-            **common,
-        )  # fmt: skip
-        amax = partial.amax()
-    if t.numel():
+    # With no rows (T = 0) the launch still runs: every block is padding, so it writes code 0 and an
+    # empty block's scale, as the reference does (the outputs are never left uninitialized).
+    if K > 0 and nb > 0:
+        if rid == _NVFP4:
+            partial = torch.empty(grid, dtype=torch.float32, device=t.device)
+            _wgrad_kernel[grid](
+                t, start, count, partial, partial, partial, T, K, partial, AMAX_ONLY=True, DEQUANT=False,
+                STORE_T=False, STORE_ROWS=False, **common,
+            )  # fmt: skip
+            amax = partial.amax()
         if out is None:
             _wgrad_kernel[grid](
                 t, start, count, codes, scales, amax, T, K, codes_t if transposed else codes, AMAX_ONLY=False,
-                DEQUANT=False, STORE_T=transposed, **common,
+                DEQUANT=False, STORE_T=transposed, STORE_ROWS=not transposed, **common,
             )  # fmt: skip
         else:
             s_dec = factor if factor is not None else out
             _wgrad_kernel[grid](
-                t, start, count, out, s_dec, amax, T, K, out, AMAX_ONLY=False, DEQUANT=True, STORE_T=False, **common
+                t, start, count, out, s_dec, amax, T, K, out, AMAX_ONLY=False, DEQUANT=True, STORE_T=False,
+                STORE_ROWS=False, **common,
             )  # fmt: skip
     elif factor is not None:
-        factor.fill_(1.0)  # no rows: amax 0, S_enc 1
-    elif codes_t is not None:
-        codes_t.zero_()  # no rows: every padded row is padding, code 0
+        factor.fill_(1.0)  # no columns: amax 0, S_enc 1
     return codes, scales, rows, amax, factor, codes_t
 
 

@@ -54,7 +54,10 @@ HADAMARD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 
 def tensor_scale(x: Tensor) -> Tensor:
-    """S_enc (fp32 0-d) from the NaN-ignoring amax of all of x."""
+    """S_enc (fp32 0-d) from the NaN-ignoring amax of all of x (amax 0 for an empty x, as the Triton
+    quantizers' zero-initialized amax gives)."""
+    if x.numel() == 0:
+        return F.nvfp4_tensor_scale(torch.zeros((), dtype=torch.float32, device=x.device))
     return F.nvfp4_tensor_scale(F.abs_max(x.float().reshape(-1), dim=0)[0])
 
 

@@ -1,0 +1,166 @@
+"""Tile sweep of the weight-gradient operand quantizer (kernels/quantize.py ``_wgrad_kernel``,
+``WGRAD_TILE``) on the ANCHORS.md shapes, each tile's output checked bit for bit against the
+default tile's before it is timed.
+
+    PYTHONPATH=src python3 benchmarks/bench_wgrad_quantizer.py [--shapes mixtral-8x7b,deepseek-v3-ep8]
+
+What runs per step of the fp8_block / mxfp8 backward: fp8_block quantizes x, dy (bf16) and z, g_h
+(fp32) with ``quantize_wgrad(..., transposed=True)`` (codes_t and scales for the fp8 wgrad GEMM);
+mxfp8 writes their dequantized values (``dequantized_wgrad``). Rows: operand, recipe, tile
+(columns per program, warps), the kernel alone in ms (do_bench median; ``_row_blocks``' torch ops
+timed once apart), GB/s (bytes read + written), and whether the bits equal the default tile's.
+``rows+T`` is the fp8_block launch as it was before 2026-11-30 session 6: the codes stored both in
+rows and transposed. Then, per recipe, the summed kernel time of the four operands for each tile.
+
+``--gemm``: also the fp8 wgrad GEMM (``fp8_block_grouped_wgrad_kmajor``, dW1 and dW2) per
+``Fp8WgradConfig`` beside moemlp's bf16 wgrad kernel on the same operands, each config's result
+checked against the default config's (relative difference; the 128-deep products' internal order
+may differ between tile shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+import triton
+
+from moemlp.kernels import quantize as kq
+from moemlp.recipes import recipe
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import SHAPES, bench  # noqa: E402
+
+TILES = {128: [(128, 8), (64, 8), (64, 4), (32, 4), (128, 16), (256, 16), (32, 8)],
+         32: [(128, 4), (64, 4), (256, 4), (128, 8), (256, 8), (64, 2)]}  # fmt: skip
+
+
+def launch(t, splits, r, tile, store_rows, blocks):
+    """The quantizing launch of quantize_wgrad / dequantized_wgrad with ``tile``, on precomputed row
+    blocks (so the timing is the kernel's). Returns the outputs to compare."""
+    rid = kq.recipe_id(r)
+    B = r.block
+    T, K = t.shape
+    start, count, _, nb = blocks
+    bk, warps = tile
+    grid = (nb, triton.cdiv(K, bk))
+    common = dict(RECIPE=rid, B=B, BK=bk, POW2=bool(getattr(r, "pow2_scales", False)), VMAX=kq._vmax(t.dtype),
+                  HADAMARD=False, STOCHASTIC=False, AMAX_ONLY=False, num_warps=warps)  # fmt: skip
+    amax = torch.zeros((), dtype=torch.float32, device=t.device)
+    if r.name == "fp8_block":
+        scales = torch.empty((nb, K), dtype=torch.float32, device=t.device)
+        codes_t = torch.empty((K, nb * B), dtype=torch.uint8, device=t.device)
+        codes = torch.empty((nb * B, K), dtype=torch.uint8, device=t.device) if store_rows else codes_t
+        kq._wgrad_kernel[grid](t, start, count, codes, scales, amax, T, K, codes_t, DEQUANT=False, STORE_T=True,
+                               STORE_ROWS=store_rows, **common)  # fmt: skip
+        return codes_t, scales
+    out = torch.empty((T, K), dtype=torch.bfloat16, device=t.device)
+    kq._wgrad_kernel[grid](t, start, count, out, out, amax, T, K, out, DEQUANT=True, STORE_T=False, STORE_ROWS=False,
+                           **common)  # fmt: skip
+    return (out,)
+
+
+GEMM_CONFIGS = [(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (64, 128, 4, 6), (128, 64, 4, 4),
+                (128, 64, 8, 4), (64, 256, 8, 3), (256, 64, 8, 3)]  # (BN, BK, warps, stages)
+
+
+def sweep_gemm(shape):
+    from moemlp.kernels import _grouped_gemm as gg
+    from moemlp.kernels._fp8_wgrad import Fp8WgradConfig, default_fp8_wgrad_config, fp8_block_grouped_wgrad_kmajor
+
+    H, F, E, top_k, tokens = SHAPES[shape]
+    M = tokens * top_k
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    splits = torch.full((E,), M // E, dtype=torch.int64, device="cuda")
+    fp8 = recipe("fp8_block")
+    x = torch.randn(M, H, device="cuda", generator=gen).bfloat16()
+    g_h = torch.randn(M, 2 * F, device="cuda", generator=gen).bfloat16()
+    dy = torch.randn(M, H, device="cuda", generator=gen).bfloat16()
+    z = torch.randn(M, F, device="cuda", generator=gen).bfloat16()
+    print(f"\n{shape}: fp8 wgrad GEMM per config, ms (TFLOP/s); rel = |dW - dW(default)| / |dW(default)|")
+    for name, g, a in (("dW1", g_h, x), ("dW2", dy, z)):
+        gq = kq.quantize_wgrad(g, splits, fp8, True, transposed=True)
+        aq = kq.quantize_wgrad(a, splits, fp8, transposed=True)
+        flops = 2.0 * M * g.shape[1] * a.shape[1]
+
+        def run(cfg):
+            return fp8_block_grouped_wgrad_kmajor(gq.codes_t, gq.scales, aq.codes_t, aq.scales, splits, M,
+                                                  out_dtype=torch.bfloat16, config=cfg)  # fmt: skip
+
+        ref = run(default_fp8_wgrad_config()).float()
+        dw = torch.empty(E, g.shape[1], a.shape[1], device="cuda", dtype=torch.bfloat16)
+        cfg16 = gg.default_config("wgrad", 0, 0, True)
+        ms = bench(lambda: gg.launch_grouped_wgrad(g, a, splits, None, dw, None, False, cfg16))
+        print(f"  {name} bf16 wgrad kernel            {ms:8.3f} ({flops / ms / 1e9:5.0f})")
+        for c in GEMM_CONFIGS:
+            cfg = Fp8WgradConfig(*c)
+            try:
+                out = run(cfg).float()
+                d = ((out - ref).norm() / ref.norm()).item()
+                ms = bench(lambda: run(cfg))
+            except Exception as exc:
+                print(f"  {name} fp8 {str(c):22s} failed: {type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            print(f"  {name} fp8 {str(c):22s} {ms:8.3f} ({flops / ms / 1e9:5.0f})  rel {d:.1e}", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="mixtral-8x7b,deepseek-v3-ep8")
+    p.add_argument("--gemm", action="store_true")
+    args = p.parse_args()
+    totals = defaultdict(float)
+    bad = set()
+    print(f"{'shape':16s} {'operand':10s} {'recipe':9s} {'tile':10s} {'ms':>8s} {'GB/s':>7s}  bits")
+    for shape in args.shapes.split(","):
+        H, F, E, top_k, tokens = SHAPES[shape]
+        M = tokens * top_k
+        g = torch.Generator(device="cuda").manual_seed(0)
+        splits = torch.full((E,), M // E, dtype=torch.int64, device="cuda")
+        ops = {"x bf16": torch.randn(M, H, device="cuda", generator=g).bfloat16(),
+               "z fp32": torch.randn(M, F, device="cuda", generator=g),
+               "g_h fp32": torch.randn(M, 2 * F, device="cuda", generator=g) * 1e-3}  # fmt: skip
+        # dy is x's shape and dtype: its time is x's; counted twice in the sums
+        for key in ("fp8_block", "mxfp8"):
+            r = recipe(key)
+            blocks = kq._row_blocks(splits, M, r.block, "cuda")
+            ms_rb = bench(lambda: kq._row_blocks(splits, M, r.block, "cuda"))
+            print(f"{shape:16s} {'(row blocks)':10s} {key:9s} {'torch':10s} {ms_rb:8.3f}")
+            default = kq.WGRAD_TILE[r.block]
+            for name, t in ops.items():
+                ref = launch(t, splits, r, default, False, blocks)
+                variants = [(tile, False) for tile in TILES[r.block]]
+                if key == "fp8_block":
+                    variants.insert(0, (default, True))
+                for tile, rows in variants:
+                    label = f"{tile[0]}x{tile[1]}" + (" rows+T" if rows else "")
+                    try:
+                        outs = launch(t, splits, r, tile, rows, blocks)
+                        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(outs, ref))
+                        ms = bench(lambda: launch(t, splits, r, tile, rows, blocks))
+                    except Exception as exc:  # a tile that does not compile or launch: say so, go on
+                        print(f"{shape:16s} {name:10s} {key:9s} {label:10s} failed: {type(exc).__name__}: {str(exc)[:80]}")
+                        bad.add((shape, key, label))
+                        continue
+                    moved = t.numel() * (t.element_size() + (1 if key == "fp8_block" else 2) + (1 if rows else 0))
+                    print(f"{shape:16s} {name:10s} {key:9s} {label:10s} {ms:8.3f} {moved / ms / 1e6:7.0f}  "
+                          f"{'same' if same else 'DIFFER'}", flush=True)  # fmt: skip
+                    if not same:
+                        bad.add((shape, key, label))
+                    totals[(shape, key, label)] += ms * (2 if name == "x bf16" else 1)
+    print("\nsummed kernel ms of x, dy, z, g_h per shape and recipe (tiles that failed or differed left out), best first")
+    for shape in args.shapes.split(","):
+        for key in ("fp8_block", "mxfp8"):
+            rows = sorted((ms, label) for (s, k, label), ms in totals.items() if s == shape and k == key
+                          and (s, k, label) not in bad)  # fmt: skip
+            print(f"{shape} {key}: " + ", ".join(f"{label} {ms:.3f}" for ms, label in rows))
+    if args.gemm:
+        for shape in args.shapes.split(","):
+            sweep_gemm(shape)
+
+
+if __name__ == "__main__":
+    main()
