@@ -307,15 +307,21 @@ def compile_sm90(use_tma: bool, cfg):
 
 @pytest.mark.skipif(not _triton_env.START_CHILD, reason="offline sm_90 compile: the CPU-only parent process")
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
-def test_compiles_for_hopper_without_spills(use_tma):
-    # The default GPU config: FP8 wgmma in the mainloop and no local-memory spills (2026-11-30,
-    # triton 3.9: 241 registers with TMA, 246 with pointer loads, 128 KiB of shared memory; 128×128
-    # at 4 warps (113 LDL) and 128×256 at 8 warps (49 LDL) spill, so they are not defaults).
+@pytest.mark.parametrize("tile", [(64, 128, 4, 4), (128, 128, 8, 4)], ids=["default", "128x128"])
+def test_compiles_for_hopper_without_spills(use_tma, tile):
+    # The default GPU config (64×128, 4 warps) and the earlier one: FP8 wgmma in the mainloop and no
+    # local-memory spills (2026-11-30, triton 3.9: 128×128 at 8 warps 241 registers with TMA, 246
+    # with pointer loads, 128 KiB of shared memory; 128×128 at 4 warps (113 LDL) and 128×256 at 8
+    # warps (49 LDL) spill, so they are not defaults).
     import re
 
     from moemlp.kernels._fp8_wgrad import Fp8WgradConfig
 
-    ptx, sass, usage = compile_sm90(use_tma, Fp8WgradConfig(128, 128, 8, 4))  # the GPU default
+    ptx, sass, usage = compile_sm90(use_tma, Fp8WgradConfig(*tile))
+    if tile[0] == 64:
+        from moemlp.kernels._fp8_wgrad import default_fp8_wgrad_config
+
+        assert default_fp8_wgrad_config() == Fp8WgradConfig(*tile)  # this parent process is not interpreted
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
     if use_tma:
         assert "cp.async.bulk.tensor.2d" in ptx

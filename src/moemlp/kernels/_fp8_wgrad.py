@@ -176,18 +176,18 @@ class Fp8WgradConfig:
 
 
 def default_fp8_wgrad_config() -> Fp8WgradConfig:
-    """Unmeasured H200 guess, the forward fp8 GEMM's tile: 128×128 at a 128-deep step is 32 KiB of
-    e4m3 operands per stage (4 stages: 128 KiB of the 227 KiB); the fp32 accumulator plus the
-    promoted partial are 2·64 registers per thread at 8 warps. Offline sm_90 compile (triton 3.9,
-    tests/test_fp8_wgrad.py): 241 registers with TMA, 246 with pointer loads, no spills; 4 stages or 3
-    (96 KiB) the same registers. Each step ends in ``wgmma.wait_group 0`` (the promotion consumes the
-    product at once), so no MMA overlaps the promotion within a CTA: 64×128 at 4 warps (168
-    registers, 96 KiB) fits two CTAs per SM, the candidate to measure against this one. 128×128 at 4
-    warps and 128×256 at 8 spill. Under the interpreter small tiles keep the CPU suite fast (16 is
-    tl.dot's smallest side)."""
+    """64×128 at 4 warps and 4 stages: the fastest of eight configs on the H200 (2026-11-30,
+    benchmarks/bench_wgrad_quantizer.py --gemm; dW1 / dW2 of mixtral-8x7b 5.93 / 3.11 ms and of
+    deepseek-v3-ep8 3.25 / 1.64 ms, 5-9 % faster than the earlier 128×128 at 8 warps, which was
+    an unmeasured guess; moemlp's bf16 wgrad kernel took 6.15 / 3.09 and 3.49 / 1.71 ms). Each step ends in
+    ``wgmma.wait_group 0`` (the promotion consumes the product at once), so no MMA overlaps the
+    promotion within a CTA; at 64×128 (168 registers, 96 KiB of shared memory, offline sm_90) two
+    CTAs fit per SM and one's promotion can overlap the other's MMA. 6 stages lost 30 % (one CTA per
+    SM); 128×128 at 4 warps and 128×256 at 8 spill. Under the interpreter small tiles keep the CPU
+    suite fast (16 is tl.dot's smallest side)."""
     if INTERPRET:
         return Fp8WgradConfig(16, 32, 4, 1, GROUP_N=2)
-    return Fp8WgradConfig(128, 128, 8, 4)
+    return Fp8WgradConfig(64, 128, 4, 4)
 
 
 def _wgrad_parts(q, name: str) -> tuple[Tensor, Tensor, Tensor]:

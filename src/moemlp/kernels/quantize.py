@@ -658,12 +658,13 @@ def _block_axis(x: Tensor, axis: int, name: str = "axis") -> bool:
 # 4 mxfp8, 8 nvfp4 blocks side by side). The H200 ran nvfp4's former 32×(8+8) interleaved tiles at
 # 263 GB/s and mxfp8's 32×32 at ~1.5 TB/s (2026-11-30); benchmarks/bench_quantizer_tiles.py sweeps.
 ROW_TILE = (32, 128, 4)
-# _wgrad_kernel: rows per block -> (columns per program, warps). 128 columns: the H200 ran bf16 x
-# through 128×32 tiles (64-byte row segments) at 237 GB/s against 1545 GB/s for fp32 g_h (128-byte
-# segments), 2026-11-30. Warps from ptxas sm_90 (triton 3.9), no spills with the transposed store:
-# 128 rows 8 warps (136 registers; 4 warps spilled), 32 rows 4 warps (72), 16 rows (nvfp4,
-# Hadamard) 8 warps (85). Settable for benchmarks/bench_wgrad_quantizer.py.
-WGRAD_TILE = {128: (128, 8), 32: (128, 4), 16: (128, 8)}
+# _wgrad_kernel: rows per block -> (columns per program, warps). Measured on the H200 (2026-11-30,
+# benchmarks/bench_wgrad_quantizer.py, the four wgrad operands of mixtral-8x7b / deepseek-v3-ep8, bits
+# equal for every tile): fp8_block's 128-row blocks 32 columns at 4 warps, 2.76 -> 1.35 / 2.32 ->
+# 1.23 ms against the earlier 128 columns at 8 warps (143 registers: one CTA per SM; 32×4 takes ~120,
+# several CTAs per SM keep more loads in flight); mxfp8's 32-row blocks 64 columns at 2 warps, 1.44 ->
+# 1.34 / 1.08 -> 1.00 ms. nvfp4's 16-row blocks (Hadamard) were not swept. Settable for that bench.
+WGRAD_TILE = {128: (32, 4), 32: (64, 2), 16: (128, 8)}
 COL_TILE = (64, 4)
 
 
