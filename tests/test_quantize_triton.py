@@ -133,8 +133,15 @@ def check_wgrad_matches_torch(device: str, big: bool = False, keys=WGRAD_RECIPES
                         _same(a.tensor_scale, b.tensor_scale, what + " S_enc")
                     deq = a.dequantize().cpu().nan_to_num(7.0)
                     assert torch.equal(deq, b.dequantize().nan_to_num(7.0)), what
+                    # one row-block layout shared by a backward's operands gives the same bits
+                    blocks = kq.row_blocks(s.to(device), T, r.block)
+                    ab = kq.quantize_wgrad(t.to(device), s.to(device), r, is_grad=is_grad, blocks=blocks)
+                    _same(ab.codes, b.codes, what + " codes (shared row blocks)")
+                    _same(ab.scales, b.scales, what + " scales (shared row blocks)")
                     if r.name != "nvfp4":  # the fp8 wgrad GEMM's K-major operand, from the same tiles
-                        at = kq.quantize_wgrad(t.to(device), s.to(device), r, is_grad=is_grad, transposed=True)
+                        at = kq.quantize_wgrad(
+                            t.to(device), s.to(device), r, is_grad=is_grad, transposed=True, blocks=blocks
+                        )
                         _same(at.codes, b.codes, what + " codes (transposed launch)")
                         _same(at.codes_t, b.codes.t().contiguous(), what + " codes_t")
                 ref_g, ref_a = r.qdq_wgrad(grad, act, s)  # the contract's call is these two, dequantized
@@ -182,6 +189,13 @@ def test_launcher_rejects_bad_inputs():
     with pytest.raises(ValueError, match="transposed"):
         kq.quantize_wgrad(torch.zeros(4, 6), torch.tensor([4]), recipe("nvfp4"), transposed=True)
     r = recipe("mxfp8")
+    s = torch.tensor([3, 5])
+    with pytest.raises(ValueError, match="blocks: made for 8 rows in 128-row blocks"):
+        kq.quantize_wgrad(torch.zeros(8, 6), s, r, blocks=kq.row_blocks(s, 8, 128))
+    with pytest.raises(ValueError, match="blocks: made for 9 rows"):
+        kq.dequantized_wgrad(torch.zeros(8, 6), s, r, out_dtype=torch.float32, blocks=kq.row_blocks(s, 9, 32))
+    with pytest.raises(TypeError, match="blocks: expected a RowBlocks"):
+        kq.quantize_wgrad(torch.zeros(8, 6), s, r, blocks=tuple(kq.row_blocks(s, 8, 32))[:4])
     with pytest.raises(TypeError, match="x"):
         kq.quantize(torch.zeros(4, 4, dtype=torch.float64), r)
     with pytest.raises(ValueError, match="contiguous"):

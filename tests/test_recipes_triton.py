@@ -176,6 +176,26 @@ def test_cpu_dprobs_contract(key):
 
 
 @interpreted
+@pytest.mark.parametrize("key", ["fp8_block", "mxfp8"])
+def test_cpu_backward_builds_the_wgrad_row_blocks_once(key, monkeypatch):
+    # The four wgrad operands of a backward share one row-block layout (same splits and rows): one
+    # computation of its ~12 torch ops instead of four, host launch time that the small shapes pay
+    # (qwen3 ran host-bound on the H200, 2026-11-30).
+    from moemlp.kernels import quantize as kq
+
+    calls = []
+    real = kq._row_blocks
+    monkeypatch.setattr(kq, "_row_blocks", lambda *a: calls.append(a[1:3]) or real(*a))
+    t, cfg = make((15, 4, 0, 21), 128, 48, M=44)
+    cfg = with_recipe(cfg, key)
+    args = (t["splits"], t["probs"], t["fc1_weight"], t["fc2_weight"], t["fc1_bias"], t["fc2_bias"])
+    _, h = K.grouped_mlp_fwd(t["x"], *args, cfg)
+    calls.clear()
+    K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, (True,) * 6)
+    assert calls == [(44, cfg.recipe.block)], calls
+
+
+@interpreted
 def test_cpu_recompute_fc1_and_main_grad_under_a_recipe():
     import moemlp
     from _cases import make_problem, run

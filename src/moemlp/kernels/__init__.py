@@ -380,16 +380,22 @@ def grouped_mlp_bwd(
                 db2 = torch.empty_like(fc2_bias) if need_db2 else None
                 gg.launch_grouped_wgrad(dy, z, splits, probs, dw2, db2, cfg.scale_fc2_bias, wgrad_config)
         else:
+            # one row-block layout for every wgrad operand of this backward (the same splits and rows)
+            from .quantize import row_blocks
+
+            blocks = row_blocks(splits, M, r.block, x.device) if need_dw1 or need_dw2 else None
             if need_dw1:
                 g_kmajor = (codes.g_t, codes.g_s) if codes is not None else None
-                dw1 = _operands.wgrad(g_h, x, splits, r, wgrad_dtype or fc1_weight.dtype, wgrad_config, g_kmajor)
+                dw1 = _operands.wgrad(
+                    g_h, x, splits, r, wgrad_dtype or fc1_weight.dtype, wgrad_config, g_kmajor, blocks=blocks
+                )
             if need_db1:
                 db1 = torch.empty_like(fc1_bias)
                 gg.launch_grouped_wgrad(g_h.to(x.dtype), None, splits, None, None, db1, False, wgrad_config)
             if need_dw2:
                 z_kmajor = (codes.z_t, codes.z_s) if codes is not None else None
                 dw2 = _operands.wgrad(
-                    dy, z, splits, r, wgrad_dtype or fc2_weight.dtype, wgrad_config, x_kmajor=z_kmajor
+                    dy, z, splits, r, wgrad_dtype or fc2_weight.dtype, wgrad_config, x_kmajor=z_kmajor, blocks=blocks
                 )
     if need_db2 and db2 is None:
         db2 = torch.empty_like(fc2_bias)

@@ -312,12 +312,14 @@ def wgrad(
     config,
     g_kmajor: Optional[tuple[Tensor, Tensor]] = None,
     x_kmajor: Optional[tuple[Tensor, Tensor]] = None,
+    blocks=None,
 ) -> Tensor:
     """dW (E, g.shape[1], x.shape[1]) in out_dtype: dW[e] = Gq[R_e]ᵀ @ Xq[R_e], both operands
     quantized along the rows in blocks that restart at each expert's first row (g is the gradient:
     nvfp4's stochastic rounding applies to it). fp8_block: ``g_kmajor`` / ``x_kmajor`` (transposed
     codes, scales) of an operand quantized already (the FC2_DGRAD epilogue's ``WgradCodes``) stand
-    for it; the other is quantized here. g or x may then be None (not both: T is read from one)."""
+    for it; the other is quantized here. g or x may then be None (not both: T is read from one).
+    ``blocks``: ``kq.row_blocks(splits, T, recipe.block)``, shared by the operands of one backward."""
     from . import _grouped_gemm as gg
 
     if is_native(recipe):
@@ -326,15 +328,19 @@ def wgrad(
         def kmajor(t, given, is_grad):
             if given is not None:
                 return given
-            q = kq.quantize_wgrad(t, splits, recipe, is_grad=is_grad, transposed=True)
+            q = kq.quantize_wgrad(t, splits, recipe, is_grad=is_grad, transposed=True, blocks=blocks)
             return q.codes_t, q.scales
 
         T = (g if g is not None else x).shape[0]
         g_t, g_s = kmajor(g, g_kmajor, True)
         x_t, x_s = kmajor(x, x_kmajor, False)
         return fp8_block_grouped_wgrad_kmajor(g_t, g_s, x_t, x_s, splits, T, out_dtype=out_dtype)
-    gv, fg = kq.dequantized_wgrad(g, splits, recipe, is_grad=True, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
-    xv, fx = kq.dequantized_wgrad(x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
+    gv, fg = kq.dequantized_wgrad(
+        g, splits, recipe, is_grad=True, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=blocks
+    )
+    xv, fx = kq.dequantized_wgrad(
+        x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=blocks
+    )
     dw = torch.empty((splits.shape[0], g.shape[1], x.shape[1]), dtype=out_dtype, device=g.device)
     gg.launch_grouped_wgrad(gv, xv, splits, None, dw, None, False, config, acc_scale=_times(fg, fx))
     return dw

@@ -35,6 +35,7 @@ bit for bit. The section above ``exact_dtype`` gives the exactness argument per 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -45,6 +46,8 @@ __all__ = [
     "quantize",
     "quantize_weight",
     "quantize_wgrad",
+    "row_blocks",
+    "RowBlocks",
     "supports",
     "dequantized",
     "dequantized_weight",
@@ -772,6 +775,25 @@ def quantize_weight(w: Tensor, recipe, transposed: bool = False):
     )  # fmt: skip
 
 
+class RowBlocks(NamedTuple):
+    """The expert-aligned row blocks of T-row weight-gradient operands (``row_blocks``): the same
+    for every operand of one backward with the same splits, rows and recipe block, so a backward
+    computes it once and passes it to each ``quantize_wgrad`` / ``dequantized_wgrad``."""
+
+    start: Tensor  # (NB,) int64 first source row of each block (unused blocks: the rows they zero)
+    count: Tensor  # (NB,) int32 rows of each block
+    rows: Tensor  # (T,) int64 padded row of each source row, -1 past Σsplits
+    nb: int  # NB = ⌈T/B⌉ + E
+    block: int  # B
+
+
+def row_blocks(splits: Tensor, num_rows: int, block: int, device=None) -> RowBlocks:
+    """The row-block layout of (num_rows, ·) wgrad operands quantized in ``block``-row blocks with
+    ``splits`` (torch ops on the device, no host read)."""
+    device = splits.device if device is None else device
+    return RowBlocks(*_row_blocks(splits, num_rows, block, device), block)
+
+
 def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tensor, Tensor, Tensor, int]:
     """The expert-aligned row blocks of a (T, K) wgrad operand, with torch ops on the device (no
     host read): block p covers padded rows [p·B, p·B + B) and source rows [start, start + count);
@@ -804,14 +826,28 @@ def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tens
     return start.contiguous(), count.to(torch.int32).contiguous(), rows, nb
 
 
-def _wgrad_launch(t: Tensor, splits: Tensor, recipe, is_grad: bool, out: Tensor | None, transposed: bool = False):
+def _wgrad_launch(
+    t: Tensor, splits: Tensor, recipe, is_grad: bool, out: Tensor | None, transposed: bool = False, blocks=None
+):
     """Both passes of a wgrad operand: nvfp4's amax pass, then the codes and scales (``out`` None) or
     the values written into ``out`` (T, K). Returns (codes, scales, rows, amax, factor, codes_t), the
-    unused ones None: factor is nvfp4's 1/S_enc for ``out``; codes_t the (K, P) transposed codes."""
+    unused ones None: factor is nvfp4's 1/S_enc for ``out``; codes_t the (K, P) transposed codes.
+    ``blocks``: the ``row_blocks`` of these splits, rows and block, computed once by the caller."""
     rid = recipe_id(recipe)
     B = recipe.block
     T, K = t.shape
-    start, count, rows, nb = _row_blocks(splits, T, B, t.device)
+    if blocks is None:
+        blocks = row_blocks(splits, T, B, t.device)
+    elif not isinstance(blocks, RowBlocks):
+        raise TypeError(f"blocks: expected a RowBlocks from row_blocks(), got {type(blocks).__name__}")
+    elif blocks.block != B or blocks.rows.shape[0] != T or blocks.nb != triton.cdiv(T, B) + splits.shape[0]:
+        raise ValueError(
+            f"blocks: made for {blocks.rows.shape[0]} rows in {blocks.block}-row blocks ({blocks.nb} blocks); this "
+            f"operand has {T} rows, {recipe.name}'s {B}-row blocks and {splits.shape[0]} experts"
+        )
+    elif blocks.start.device != t.device:
+        raise TypeError(f"blocks: expected tensors on {t.device}, got {blocks.start.device}")
+    start, count, rows, nb, _ = blocks
     bk, warps = WGRAD_TILE[B]
     grid = (nb, triton.cdiv(K, bk))
     hadamard = rid == _NVFP4 and recipe.hadamard
@@ -856,11 +892,14 @@ def _wgrad_launch(t: Tensor, splits: Tensor, recipe, is_grad: bool, out: Tensor 
     return codes, scales, rows, amax, factor, codes_t
 
 
-def quantize_wgrad(t: Tensor, splits: Tensor, recipe, is_grad: bool = False, transposed: bool = False):
+def quantize_wgrad(
+    t: Tensor, splits: Tensor, recipe, is_grad: bool = False, transposed: bool = False, blocks: RowBlocks | None = None
+):
     """A (T, K) weight-gradient operand, blocks along rows restarting at each expert's first row, in
     the expert-aligned padded layout of ``recipe.quantize_wgrad`` (same codes, scales and rows).
-    ``transposed``: also the (K, P) transposed codes (``codes_t``; fp8_block and mxfp8), stored from
-    the quantizer's tile, for the fp8 wgrad GEMM's K-major operands."""
+    ``transposed``: the codes stored as (K, P) ``codes_t`` only (fp8_block and mxfp8), for the fp8
+    wgrad GEMM's K-major operands; ``codes`` is then its transposed view. ``blocks``: ``row_blocks(splits,
+    T, recipe.block)``, when the caller quantizes several operands with the same splits."""
     from ..recipes import QuantizedTensor, fp8_block, mxfp8, nvfp4
 
     _check_wgrad(t, splits)
@@ -868,7 +907,7 @@ def quantize_wgrad(t: Tensor, splits: Tensor, recipe, is_grad: bool = False, tra
     if transposed and rid == _NVFP4:
         raise ValueError("transposed: nvfp4 codes are packed in pairs along the rows; no transposed copy")
     B = recipe.block
-    codes, scales, rows, amax, _, codes_t = _wgrad_launch(t, splits, recipe, is_grad, None, transposed)
+    codes, scales, rows, amax, _, codes_t = _wgrad_launch(t, splits, recipe, is_grad, None, transposed, blocks)
     codes_t = codes_t.view(torch.float8_e4m3fn) if codes_t is not None else None
     shape = (codes.shape[0] * (2 if rid == _NVFP4 else 1), t.shape[1])
     if rid == _NVFP4:
@@ -1031,14 +1070,15 @@ def dequantized_wgrad(
     is_grad: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
     tiny_blocks_exact: bool = True,
+    blocks: RowBlocks | None = None,
 ):
     """(values, factor) of a (T, K) weight-gradient operand: blocks along rows restarting at each
     expert's first row (nvfp4: Hadamard rotation and, for ``is_grad``, stochastic rounding as the
     recipe says), dequantized back into t's row layout; rows past Σsplits are 0. Matches the
     corresponding operand of ``recipe.qdq_wgrad(grad, act, splits)`` (grad: is_grad=True).
-    ``tiny_blocks_exact``: as in ``dequantized``."""
+    ``tiny_blocks_exact``: as in ``dequantized``; ``blocks``: as in ``quantize_wgrad``."""
     _check_wgrad(t, splits)
     _check_out_dtype(recipe, t.dtype, out_dtype, tiny_blocks_exact)
     values = torch.empty(t.shape, dtype=out_dtype, device=t.device)
-    _, _, _, _, factor, _ = _wgrad_launch(t, splits, recipe, is_grad, values)
+    _, _, _, _, factor, _ = _wgrad_launch(t, splits, recipe, is_grad, values, blocks=blocks)
     return values, factor
