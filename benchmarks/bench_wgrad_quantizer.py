@@ -7,10 +7,12 @@ default tile's before it is timed.
 What runs per step of the fp8_block / mxfp8 backward: fp8_block quantizes x, dy (bf16) and z, g_h
 (fp32) with ``quantize_wgrad(..., transposed=True)`` (codes_t and scales for the fp8 wgrad GEMM);
 mxfp8 writes their dequantized values (``dequantized_wgrad``). Rows: operand, recipe, tile
-(columns per program, warps), the kernel alone in ms (do_bench median; ``_row_blocks``' torch ops
-timed once apart), GB/s (bytes read + written), and whether the bits equal the default tile's.
-``rows+T`` is the fp8_block launch as it was before 2026-11-30 session 6: the codes stored both in
-rows and transposed. Then, per recipe, the summed kernel time of the four operands for each tile.
+(columns per program, warps), the library call with the row blocks computed once (``blocks=``; their
+torch ops timed once apart) in ms (do_bench median), GB/s (bytes read + written), and whether the
+bits equal the default tile's. Session 6's call 2 also timed a ``rows+T`` variant (the codes stored
+in rows as well, the launch before that session) by calling the kernel directly:
+results/2026-11-30-h200-session6/wgrad_quantizer.log. Then, per recipe, the summed time of the four
+operands for each tile.
 
 ``--gemm``: also the fp8 wgrad GEMM (``fp8_block_grouped_wgrad_kmajor``, dW1 and dW2) per
 ``Fp8WgradConfig`` beside moemlp's bf16 wgrad kernel on the same operands, each config's result
@@ -26,7 +28,6 @@ import sys
 from collections import defaultdict
 
 import torch
-import triton
 
 from moemlp.kernels import quantize as kq
 from moemlp.recipes import recipe
@@ -38,29 +39,19 @@ TILES = {128: [(128, 8), (64, 8), (64, 4), (32, 4), (128, 16), (256, 16), (32, 8
          32: [(128, 4), (64, 4), (256, 4), (128, 8), (256, 8), (64, 2)]}  # fmt: skip
 
 
-def launch(t, splits, r, tile, store_rows, blocks):
-    """The quantizing launch of quantize_wgrad / dequantized_wgrad with ``tile``, on precomputed row
-    blocks (so the timing is the kernel's). Returns the outputs to compare."""
-    rid = kq.recipe_id(r)
-    B = r.block
-    T, K = t.shape
-    start, count, _, nb = blocks
-    bk, warps = tile
-    grid = (nb, triton.cdiv(K, bk))
-    common = dict(RECIPE=rid, B=B, BK=bk, POW2=bool(getattr(r, "pow2_scales", False)), VMAX=kq._vmax(t.dtype),
-                  HADAMARD=False, STOCHASTIC=False, AMAX_ONLY=False, num_warps=warps)  # fmt: skip
-    amax = torch.zeros((), dtype=torch.float32, device=t.device)
-    if r.name == "fp8_block":
-        scales = torch.empty((nb, K), dtype=torch.float32, device=t.device)
-        codes_t = torch.empty((K, nb * B), dtype=torch.uint8, device=t.device)
-        codes = torch.empty((nb * B, K), dtype=torch.uint8, device=t.device) if store_rows else codes_t
-        kq._wgrad_kernel[grid](t, start, count, codes, scales, amax, T, K, codes_t, DEQUANT=False, STORE_T=True,
-                               STORE_ROWS=store_rows, **common)  # fmt: skip
-        return codes_t, scales
-    out = torch.empty((T, K), dtype=torch.bfloat16, device=t.device)
-    kq._wgrad_kernel[grid](t, start, count, out, out, amax, T, K, out, DEQUANT=True, STORE_T=False, STORE_ROWS=False,
-                           **common)  # fmt: skip
-    return (out,)
+def launch(t, splits, r, tile, blocks):
+    """The library's own call with ``tile`` set (``kq.WGRAD_TILE``) and the row blocks computed once
+    (``blocks=``, as a backward passes them), so the timing is the kernel's. Returns the outputs
+    to compare: fp8_block's codes_t and scales, mxfp8's dequantized values."""
+    default = kq.WGRAD_TILE[r.block]
+    kq.WGRAD_TILE[r.block] = tile
+    try:
+        if r.name == "fp8_block":
+            q = kq.quantize_wgrad(t, splits, r, transposed=True, blocks=blocks)
+            return q.codes_t, q.scales
+        return (kq.dequantized_wgrad(t, splits, r, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=blocks)[0],)
+    finally:
+        kq.WGRAD_TILE[r.block] = default
 
 
 GEMM_CONFIGS = [(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (64, 128, 4, 6), (128, 64, 4, 4),
@@ -126,26 +117,22 @@ def main():
         # dy is x's shape and dtype: its time is x's; counted twice in the sums
         for key in ("fp8_block", "mxfp8"):
             r = recipe(key)
-            blocks = kq._row_blocks(splits, M, r.block, "cuda")
-            ms_rb = bench(lambda: kq._row_blocks(splits, M, r.block, "cuda"))
+            blocks = kq.row_blocks(splits, M, r.block)
+            ms_rb = bench(lambda: kq.row_blocks(splits, M, r.block))
             print(f"{shape:16s} {'(row blocks)':10s} {key:9s} {'torch':10s} {ms_rb:8.3f}")
-            default = kq.WGRAD_TILE[r.block]
             for name, t in ops.items():
-                ref = launch(t, splits, r, default, False, blocks)
-                variants = [(tile, False) for tile in TILES[r.block]]
-                if key == "fp8_block":
-                    variants.insert(0, (default, True))
-                for tile, rows in variants:
-                    label = f"{tile[0]}x{tile[1]}" + (" rows+T" if rows else "")
+                ref = launch(t, splits, r, kq.WGRAD_TILE[r.block], blocks)
+                for tile in TILES[r.block]:
+                    label = f"{tile[0]}x{tile[1]}"
                     try:
-                        outs = launch(t, splits, r, tile, rows, blocks)
+                        outs = launch(t, splits, r, tile, blocks)
                         same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(outs, ref))
-                        ms = bench(lambda: launch(t, splits, r, tile, rows, blocks))
+                        ms = bench(lambda: launch(t, splits, r, tile, blocks))
                     except Exception as exc:  # a tile that does not compile or launch: say so, go on
                         print(f"{shape:16s} {name:10s} {key:9s} {label:10s} failed: {type(exc).__name__}: {str(exc)[:80]}")
                         bad.add((shape, key, label))
                         continue
-                    moved = t.numel() * (t.element_size() + (1 if key == "fp8_block" else 2) + (1 if rows else 0))
+                    moved = t.numel() * (t.element_size() + (1 if key == "fp8_block" else 2))
                     print(f"{shape:16s} {name:10s} {key:9s} {label:10s} {ms:8.3f} {moved / ms / 1e6:7.0f}  "
                           f"{'same' if same else 'DIFFER'}", flush=True)  # fmt: skip
                     if not same:

@@ -127,28 +127,16 @@ class Weight:
         float8_e4m3fn and scales (E, ⌈R/128⌉, ⌈C/128⌉) fp32. Its codes are codes_t's transposed
         view: the dgrad reads codes_t alone; ``forward()`` quantizes again (the GEMM takes
         contiguous codes)."""
-        from ..recipes import QuantizedTensor, fp8_block
-
         _check_tiles(w, recipe, None, codes_t, scales)
-        q = QuantizedTensor(
-            codes=codes_t.transpose(-1, -2), scales=scales, shape=tuple(w.shape), axis=-1, block=(128, 128),
-            _dequantize=fp8_block._dequantize_tiles, codes_t=codes_t,
-        )  # fmt: skip
-        return cls(w, recipe, q)
+        return cls(w, recipe, _tiles_quantized(w, codes_t.transpose(-1, -2), codes_t, scales))
 
     @classmethod
     def from_cache(cls, w: Tensor, recipe, codes: Tensor, codes_t: Tensor, scales: Tensor) -> Weight:
         """w with both layouts quantized already (``moemlp.quantize_weights``): the forward reads
         ``codes`` and the dgrad ``codes_t``, with no quantizer pass of its own."""
-        from ..recipes import QuantizedTensor, fp8_block
-
         if not codes.is_contiguous():
             raise ValueError(f"codes: expected a contiguous tensor, got strides {tuple(codes.stride())}")
-        q = QuantizedTensor(
-            codes=codes, scales=scales, shape=tuple(w.shape), axis=-1, block=(128, 128),
-            _dequantize=fp8_block._dequantize_tiles, codes_t=codes_t,
-        )  # fmt: skip
-        return cls(w, recipe, q)
+        return cls(w, recipe, _tiles_quantized(w, codes, codes_t, scales))
 
     def _quantized(self, transposed: bool):
         """fp8_block's tiles, with the transposed codes when the dgrad asks (one quantizer pass
@@ -198,6 +186,16 @@ class Weight:
             self.w, self.recipe, dim=-2, out_dtype=torch.bfloat16, tiny_blocks_exact=False
         )
         return WeightOperand(values, (R * C, 1, C), factor=factor)
+
+
+def _tiles_quantized(w: Tensor, codes: Tensor, codes_t: Tensor, scales: Tensor):
+    """The QuantizedTensor of w's fp8_block 128×128 tiles, as quantize_weight returns it."""
+    from ..recipes import QuantizedTensor, fp8_block
+
+    return QuantizedTensor(
+        codes=codes, scales=scales, shape=tuple(w.shape), axis=-1, block=(128, 128),
+        _dequantize=fp8_block._dequantize_tiles, codes_t=codes_t,
+    )  # fmt: skip
 
 
 def _tiles(n: int) -> int:
