@@ -61,6 +61,11 @@ def _gather_sum_rows_kernel(
     tl.store(out_ptr + row.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Custom ops, so that torch.compile(fullgraph=True) treats each launch as one opaque op (with a fake
+# implementation for shapes) on every device, the CPU interpreter included.
+
+
+@torch.library.custom_op("moemlp::gather_rows", mutates_args=())
 def gather_rows(src: Tensor, index: Tensor) -> Tensor:
     """out[i] = src[index[i]]; src (R, H) contiguous, index (M,) int64 on src's device."""
     out = torch.empty((index.shape[0], src.shape[1]), dtype=src.dtype, device=src.device)
@@ -70,6 +75,12 @@ def gather_rows(src: Tensor, index: Tensor) -> Tensor:
     return out
 
 
+@gather_rows.register_fake
+def _(src, index):
+    return src.new_empty((index.shape[0], src.shape[1]))
+
+
+@torch.library.custom_op("moemlp::gather_sum_rows", mutates_args=())
 def gather_sum_rows(src: Tensor, index: Tensor) -> Tensor:
     """out[t] = Σ_k src[index[t, k]] in fp32 (fp64 for fp64), k in order; src (R, H) contiguous, index (T, K)."""
     T, K = index.shape
@@ -83,3 +94,8 @@ def gather_sum_rows(src: Tensor, index: Tensor) -> Tensor:
             src, index, out, src.shape[1], K, BLOCK_H=_BLOCK_H, ACC_DTYPE=acc_dtype
         )
     return out.to(src.dtype) if fp32_store else out
+
+
+@gather_sum_rows.register_fake
+def _(src, index):
+    return src.new_empty((index.shape[0], src.shape[1]))

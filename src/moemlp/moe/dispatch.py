@@ -105,10 +105,17 @@ def _gather_sum(src: Tensor, index: Tensor, triton: bool) -> Tensor:
 
         return _kernels.gather_sum_rows(src.contiguous(), index)
     acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
-    acc = src.index_select(0, index[:, 0]).to(acc_dtype)
+    acc = _cast(src.index_select(0, index[:, 0]), acc_dtype)
     for k in range(1, index.shape[1]):  # K (top_k) launches, not a per-token loop
-        acc = acc + src.index_select(0, index[:, k]).to(acc_dtype)
-    return acc.to(src.dtype)
+        acc = acc + _cast(src.index_select(0, index[:, k]), acc_dtype)
+    return _cast(acc, src.dtype)
+
+
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``, without the no-op ``t.to(t.dtype)``. torch 2.11's dynamo drops the
+    gradient of an autograd.Function whose forward returns such an alias of an intermediate: the
+    compiled backward then hands zeros to everything before it (tests/test_compile.py)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class _Permute(torch.autograd.Function):
