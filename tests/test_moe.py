@@ -53,7 +53,7 @@ def naive_moe(x, router_weight, fc1_weight, fc2_weight, k, *, score="softmax", n
 
 def make_layer(H, F_, E, k, dtype, seed=0, **kw):
     torch.manual_seed(seed)
-    moe = MoE(H, F_, E, k, dtype=dtype, backend="torch", **kw)
+    moe = MoE(hidden_size=H, ffn_hidden_size=F_, num_experts=E, top_k=k, dtype=dtype, backend="torch", **kw)
     with torch.no_grad():
         moe.router.weight.normal_(0.0, 0.3)  # spread logits: no near-ties in the selection
     return moe
@@ -118,7 +118,7 @@ def test_layer_bf16_within_twice_plain_torch_bf16_error(device, backend):
     written in plain PyTorch bf16 (quack's tolerance idiom), for y and every gradient."""
     H, F_, E, k, T = 32, 48, 8, 2, 64
     torch.manual_seed(0)
-    moe = MoE(H, F_, E, k, dtype=torch.bfloat16, backend=backend, device=device)
+    moe = MoE(hidden_size=H, ffn_hidden_size=F_, num_experts=E, top_k=k, dtype=torch.bfloat16, backend=backend, device=device)
     with torch.no_grad():
         moe.router.weight.normal_(0.0, 0.3)
     g = torch.Generator().manual_seed(2)
@@ -146,8 +146,8 @@ def check_triton_layer_matches_torch(device):
     """The whole layer on the Triton path (dispatch gathers + grouped-MLP kernels) against the torch
     path, fp32: the same arithmetic, fp32 sums in another order (GEMM tiles)."""
     torch.manual_seed(0)
-    a = MoE(16, 32, 5, 2, backend="torch", aux_loss_coeff=1e-2, z_loss_coeff=1e-3, device=device)
-    b = MoE(16, 32, 5, 2, backend="triton", aux_loss_coeff=1e-2, z_loss_coeff=1e-3, device=device)
+    a = MoE(hidden_size=16, ffn_hidden_size=32, num_experts=5, top_k=2, backend="torch", aux_loss_coeff=1e-2, z_loss_coeff=1e-3, device=device)
+    b = MoE(hidden_size=16, ffn_hidden_size=32, num_experts=5, top_k=2, backend="triton", aux_loss_coeff=1e-2, z_loss_coeff=1e-3, device=device)
     b.load_state_dict(a.state_dict())
     x = torch.randn(3, 9, 16, device=device)
     dy = torch.randn(3, 9, 16, device=device)
@@ -269,12 +269,12 @@ def test_layer_rejects_bad_arguments(kwargs, exc, match):
     if "ep_group" in kwargs:
         assert not dist.is_initialized()
     with pytest.raises(exc, match=match):
-        MoE(args.pop("hidden_size"), args.pop("ffn_hidden_size"), args.pop("num_experts"), args.pop("top_k"),
+        MoE(hidden_size=args.pop("hidden_size"), ffn_hidden_size=args.pop("ffn_hidden_size"), num_experts=args.pop("num_experts"), top_k=args.pop("top_k"),
             **args)
 
 
 def test_layer_rejects_bad_x():
-    moe = MoE(8, 8, 4, 2, backend="torch")
+    moe = MoE(hidden_size=8, ffn_hidden_size=8, num_experts=4, top_k=2, backend="torch")
     with pytest.raises(ValueError, match=r"x: expected shape \(T, 8\) or \(B, S, 8\)"):
         moe(torch.randn(3, 9))
     with pytest.raises(ValueError, match="x: expected shape"):
@@ -291,7 +291,7 @@ def test_cuda_graph_capture_of_forward_backward():
     nonzero, no bincount). Replays on new inputs equal eager runs bit for bit."""
     torch.manual_seed(0)
     H, F_, E, k, T = 256, 512, 8, 2, 512
-    moe = MoE(H, F_, E, k, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, device="cuda", dtype=torch.bfloat16)
+    moe = MoE(hidden_size=H, ffn_hidden_size=F_, num_experts=E, top_k=k, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, device="cuda", dtype=torch.bfloat16)
     params = [p for p in moe.parameters()]
     static_x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     static_dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -336,7 +336,7 @@ def test_torch_compile_fullgraph_of_the_layer():
     # One process, torch backend: router, sort, permute, the grouped-MLP custom op and the k-ordered
     # combine trace into one graph with no break, and give the eager bits.
     torch.manual_seed(0)
-    moe = MoE(32, 16, 4, 2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, backend="torch")
+    moe = MoE(hidden_size=32, ffn_hidden_size=16, num_experts=4, top_k=2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, backend="torch")
     x = torch.randn(10, 32, requires_grad=True)
     params = [x, moe.router.weight, moe.experts.fc1_weight, moe.experts.fc2_weight]
 
@@ -349,3 +349,52 @@ def test_torch_compile_fullgraph_of_the_layer():
     dy = torch.randn_like(y)
     for a, b in zip(torch.autograd.grad(y, params, dy), torch.autograd.grad(yc, params, dy)):
         assert torch.equal(a, b)
+
+
+# --- the router stays fp32 under the usual ways of converting a model -----------------------------
+
+
+@pytest.mark.parametrize("cast", [
+    pytest.param(lambda m: m.to(torch.bfloat16), id="to-bf16"),
+    pytest.param(lambda m: m.half(), id="half"),
+    pytest.param(lambda m: m.bfloat16(), id="bfloat16"),
+    pytest.param(lambda m: m.to("cpu", torch.bfloat16), id="to-device-and-dtype"),
+])
+def test_model_casts_keep_the_router_fp32(cast):
+    # .to(dtype), .half(), .bfloat16() used to round the gate weight to bf16 and then fail in the
+    # router's fp32 matmul. The experts follow the cast; the router's weight keeps its fp32 bits.
+    moe = make_layer(64, 32, 8, 2, torch.float32, aux_loss_coeff=1e-2)
+    w0 = moe.router.weight.detach().clone()
+    cast(moe)
+    dtype = moe.experts.fc1_weight.dtype
+    assert dtype in (torch.bfloat16, torch.float16)
+    assert moe.router.weight.dtype == torch.float32 and torch.equal(moe.router.weight, w0)
+    x = torch.randn(6, 64, dtype=dtype, requires_grad=True)
+    ref = make_layer(64, 32, 8, 2, dtype)
+    with torch.no_grad():
+        ref.router.weight.copy_(w0)
+        ref.experts.fc1_weight.copy_(moe.experts.fc1_weight)
+        ref.experts.fc2_weight.copy_(moe.experts.fc2_weight)
+    y = moe(x)
+    assert y.dtype == dtype and torch.equal(y, ref(x))  # same routing as a layer built in that dtype
+    y.float().square().sum().backward()
+    assert moe.router.weight.grad.dtype == torch.float32 and moe.router.weight.grad.abs().sum() > 0
+
+
+def test_router_weight_swapped_to_bf16_is_refused():
+    # What FSDP's mixed-precision parameter cast does: a bf16 tensor in the fp32 weight's place.
+    moe = make_layer(16, 8, 4, 2, torch.float32)
+    moe.router.weight.data = moe.router.weight.data.bfloat16()
+    with pytest.raises(TypeError, match=r"router.weight.*fp32.*MixedPrecisionPolicy"):
+        moe(torch.randn(3, 16))
+
+
+def test_router_logits_fp32_under_autocast():
+    # autocast would run the gate's matmul in bf16; the router turns it off for the logits.
+    moe = make_layer(64, 32, 8, 2, torch.float32)
+    x = torch.randn(32, 64)
+    probs, idx = moe.router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        probs_ac, idx_ac = moe.router(x)
+    assert probs_ac.dtype == torch.float32
+    assert torch.equal(idx, idx_ac) and torch.equal(probs, probs_ac)

@@ -127,6 +127,18 @@ class Router(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=0.02)  # Megatron-Core's init_method_std default
 
+    def _apply(self, fn, recurse=True):
+        """Module casts move the router's tensors but keep them fp32: ``model.to(torch.bfloat16)``,
+        ``.half()`` and ``.bfloat16()`` would otherwise round the gate weight, and the logits with it."""
+
+        def keep_fp32(t: Tensor) -> Tensor:
+            out = fn(t)
+            if t.dtype == torch.float32 and out.dtype != torch.float32 and out.is_floating_point():
+                return t.to(device=out.device)  # the device move without the dtype cast
+            return out
+
+        return super()._apply(keep_fp32, recurse)
+
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
@@ -142,10 +154,19 @@ class Router(nn.Module):
             raise TypeError(f"x: expected a floating-point tensor, got {x.dtype}")
         if x.device != self.weight.device:
             raise TypeError(f"x: expected device {self.weight.device}, got {x.device}")
+        if self.weight.dtype != torch.float32:
+            # Module casts (.to, .half, .bfloat16) keep the weight fp32 (_apply below); this is a
+            # weight swapped in by something else, e.g. FSDP's mixed-precision parameter cast.
+            raise TypeError(
+                f"router.weight: the router computes in fp32 and needs an fp32 weight, got {self.weight.dtype}; "
+                f"keep it fp32 (with FSDP, give the router a MixedPrecisionPolicy(param_dtype=torch.float32))"
+            )
         num_tokens = x.shape[0]
         E, k = self.num_experts, self.top_k
 
-        logits = x.float() @ self.weight.t()  # (T, E) fp32; x upcast exactly
+        # Under autocast a bf16 matmul would round the logits and reorder near-tied experts.
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = x.float() @ self.weight.t()  # (T, E) fp32; x upcast exactly
         if self.score == "softmax":
             scores = torch.softmax(logits, dim=-1)
         else:
