@@ -53,7 +53,7 @@ def _inputs(rank, device, dtype):
 
 def _build(device, dtype, ep_group):
     router, fc1, fc2 = _full_weights(device, dtype)
-    moe = MoE(SHAPE["H"], SHAPE["F"], SHAPE["E"], SHAPE["k"], score="softmax", aux_loss_coeff=0.02,
+    moe = MoE(hidden_size=SHAPE["H"], ffn_hidden_size=SHAPE["F"], num_experts=SHAPE["E"], top_k=SHAPE["k"], score="softmax", aux_loss_coeff=0.02,
               z_loss_coeff=0.005, expert_bias=True, ep_group=ep_group, device=device, dtype=dtype,
               backend="torch" if device.type == "cpu" else "auto")  # CUDA: the Triton kernels
     lo, n = moe.local_expert_offset, moe.num_local_experts
@@ -141,7 +141,7 @@ def _check_ep_equals_one_process(rank, device, dtype):
 
 def _check_bad_ep_arguments():
     with pytest.raises(ValueError, match="num_experts: must be divisible by the ep_group size 2"):
-        MoE(8, 8, 5, 2, ep_group=dist.group.WORLD)
+        MoE(hidden_size=8, ffn_hidden_size=8, num_experts=5, top_k=2, ep_group=dist.group.WORLD)
 
 
 def _spawn(device_type, dtype):

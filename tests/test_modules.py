@@ -7,7 +7,7 @@ import moemlp
 
 def test_grouped_mlp_module_matches_functional():
     torch.manual_seed(0)
-    m = moemlp.GroupedMLP(3, 16, 8, activation="geglu", bias=True, scale_fc2_bias=True,
+    m = moemlp.GroupedMLP(num_experts=3, hidden_size=16, ffn_hidden_size=8, activation="geglu", bias=True, scale_fc2_bias=True,
                           glu_interleave=4, dtype=torch.float64, backend="torch")
     assert m.fc1_weight.shape == (3, 16, 16) and m.fc2_weight.shape == (3, 16, 8)
     assert m.fc1_bias.shape == (3, 16) and m.fc2_bias.shape == (3, 16)
@@ -33,6 +33,6 @@ def test_grouped_mlp_module_matches_functional():
 
 
 def test_unary_module_shapes():
-    m = moemlp.GroupedMLP(2, 8, 4, activation="srelu")
+    m = moemlp.GroupedMLP(num_experts=2, hidden_size=8, ffn_hidden_size=4, activation="srelu")
     assert m.fc1_weight.shape == (2, 4, 8) and m.fc1_bias is None
     assert "srelu" in repr(m)

@@ -69,6 +69,15 @@ BAD = [
     pytest.param(dict(activation="srelu", glu_interleave=2,
                       fc1_weight=torch.randn(E, F, H, dtype=torch.bfloat16)), ValueError,
                  ["glu_interleave", "GLU"], id="interleave-unary"),
+    # x is the odd one out when both weights agree on H: the message names x, not fc1_weight.
+    pytest.param(dict(x=torch.randn(M, H + 2, dtype=torch.bfloat16)), ValueError,
+                 ["x", f"(M, {H})", "fc1_weight and fc2_weight"], id="x-H-mismatch"),
+    # A unary activation with GLU-shaped weights: says the activation is not a GLU.
+    pytest.param(dict(activation="gelu"), ValueError, ["fc1_weight", "'gelu' is not a GLU", "2F"],
+                 id="unary-with-glu-weights"),
+    # A GLU activation with unary-shaped weights: says it needs gate and up.
+    pytest.param(dict(fc1_weight=torch.randn(E, F, H, dtype=torch.bfloat16)), ValueError,
+                 ["fc1_weight", "'swiglu' is a GLU", f"N1 = 2F = {2 * F}"], id="glu-with-unary-weights"),
     pytest.param(dict(backend="cuda"), ValueError, ["backend", "cuda"], id="unknown-backend"),
     pytest.param(dict(recipe="int4"), ValueError, ["recipe", "int4"], id="unknown-recipe"),
     pytest.param(dict(scale_fc2_bias="yes"), TypeError, ["scale_fc2_bias"], id="scale-not-bool"),
@@ -116,8 +125,39 @@ def test_nan_stays_in_its_row():
 
 def test_module_validates_at_construction():
     with pytest.raises(ValueError, match="activation"):
-        moemlp.GroupedMLP(4, 16, 8, activation="nope")
+        moemlp.GroupedMLP(num_experts=4, hidden_size=16, ffn_hidden_size=8, activation="nope")
     with pytest.raises(ValueError, match="glu_interleave"):
-        moemlp.GroupedMLP(4, 16, 8, glu_interleave=3)
+        moemlp.GroupedMLP(num_experts=4, hidden_size=16, ffn_hidden_size=8, glu_interleave=3)
     with pytest.raises(ValueError, match="num_experts"):
-        moemlp.GroupedMLP(0, 16, 8)
+        moemlp.GroupedMLP(num_experts=0, hidden_size=16, ffn_hidden_size=8)
+
+
+def test_module_sizes_are_keyword_only():
+    # GroupedMLP(64, 32, 4) once built 64 experts of H=32, F=4 without a word; the sizes of both
+    # modules are keyword-only now, so a positional call is refused.
+    with pytest.raises(TypeError):
+        moemlp.GroupedMLP(64, 32, 4)
+    with pytest.raises(TypeError):
+        moemlp.MoE(64, 32, 8, 2)
+    m = moemlp.MoE(hidden_size=64, ffn_hidden_size=32, num_experts=8, top_k=2)
+    assert m.experts.fc1_weight.shape == (8, 64, 64) and m.router.weight.shape == (8, 64)
+
+
+@pytest.mark.parametrize("kw,exc,word", [
+    pytest.param(dict(backend="trition"), ValueError, "trition", id="backend-typo"),
+    pytest.param(dict(backend=None), TypeError, "backend", id="backend-not-str"),
+    pytest.param(dict(bias=1), TypeError, "bias", id="bias-not-bool"),
+    pytest.param(dict(recompute_fc1="no"), TypeError, "recompute_fc1", id="recompute-not-bool"),
+])
+def test_module_options_fail_at_construction(kw, exc, word):
+    with pytest.raises(exc, match=word):
+        moemlp.GroupedMLP(num_experts=4, hidden_size=16, ffn_hidden_size=8, **kw)
+
+
+def test_missing_triton_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    args, _ = _good()
+    with pytest.raises(ValueError, match=r"pip install 'moemlp\[triton\]'"):
+        moemlp.grouped_mlp(**args, backend="triton")

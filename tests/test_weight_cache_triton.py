@@ -118,7 +118,7 @@ def test_cpu_no_quantize_weight_call_with_quantized_weights(quantize_weight_call
 
 def check_module(device, quantize_weight_calls=None):
     p = make_problem([11, 0, 19], 128, 32, capacity=2, bias=True, seed=7, device=device)
-    m = moemlp.GroupedMLP(3, 128, 32, bias=True, recipe="fp8_block", backend="triton", device=device,
+    m = moemlp.GroupedMLP(num_experts=3, hidden_size=128, ffn_hidden_size=32, bias=True, recipe="fp8_block", backend="triton", device=device,
                           dtype=torch.bfloat16)  # fmt: skip
     params = [m.fc1_weight, m.fc2_weight, m.fc1_bias, m.fc2_bias]
 
@@ -224,7 +224,7 @@ def test_quantize_weights_checks_its_inputs():
 
 def test_module_is_first_microbatch_checks():
     p = _small_problem()
-    m = moemlp.GroupedMLP(3, 128, 32, recipe="fp8_block", dtype=torch.bfloat16)
+    m = moemlp.GroupedMLP(num_experts=3, hidden_size=128, ffn_hidden_size=32, recipe="fp8_block", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="is_first_microbatch=False: no weights quantized yet"):
         m(p.x, p.splits, p.probs, is_first_microbatch=False)
     with pytest.raises(TypeError, match="is_first_microbatch: expected None or a bool"):
@@ -235,7 +235,7 @@ def test_module_ignores_is_first_microbatch_without_fp8_block():
     # No recipe, or an emulated one: nothing to cache, the flag is accepted and ignored (torch backend).
     p = _small_problem()
     for r in (None, "mxfp8"):
-        m = moemlp.GroupedMLP(3, 128, 32, recipe=r, backend="torch", dtype=torch.bfloat16)
+        m = moemlp.GroupedMLP(num_experts=3, hidden_size=128, ffn_hidden_size=32, recipe=r, backend="torch", dtype=torch.bfloat16)
         y = m(p.x, p.splits, p.probs)
         for flag in (True, False):
             assert torch.equal(m(p.x, p.splits, p.probs, is_first_microbatch=flag), y), (r, flag)

@@ -51,6 +51,7 @@ def validate_inputs(
     glu: bool,
     glu_interleave: Optional[int],
     scale_fc2_bias,
+    activation: str = "",
 ) -> tuple[int, int, int, int]:
     """Check every tensor argument; return (M, H, F, g) where g is the GLU block width.
 
@@ -72,16 +73,32 @@ def validate_inputs(
     if E < 1:
         raise ValueError(f"fc1_weight: expected at least one expert, got shape {tuple(fc1_weight.shape)}")
     if H1 != H:
+        if fc2_weight.shape[1] == H1:  # the weights agree on H: x is the odd one out
+            raise ValueError(
+                f"x: expected shape (M, {H1}) with H = {H1} from fc1_weight and fc2_weight, got {tuple(x.shape)}"
+            )
         raise ValueError(
             f"fc1_weight: expected shape (E, N1, {H}) with H = x.shape[1] = {H}, got {tuple(fc1_weight.shape)}"
         )
+    act = f"activation {activation!r}" if activation else "the activation"
+    F2 = fc2_weight.shape[-1]
     if glu:
+        if N1 == F2:
+            raise ValueError(
+                f"fc1_weight: {act} is a GLU, so N1 = 2F = {2 * F2} for F = fc2_weight.shape[-1] = {F2} "
+                f"(gate and up), got N1 = {N1}: the shape of a unary activation's weights"
+            )
         if N1 % 2:
             raise ValueError(
                 f"fc1_weight: a GLU activation needs an even N1 = 2F, got N1 = {N1} (shape {tuple(fc1_weight.shape)})"
             )
         F = N1 // 2
     else:
+        if N1 == 2 * F2:
+            raise ValueError(
+                f"fc1_weight: {act} is not a GLU, so N1 = F = fc2_weight.shape[-1] = {F2}, got N1 = {N1} = 2F: "
+                f"the shape of GLU weights (gate and up); use a GLU activation or fc1_weight of shape (E, {F2}, H)"
+            )
         F = N1
     if F < 1:
         raise ValueError(f"fc1_weight: expected N1 >= {2 if glu else 1}, got shape {tuple(fc1_weight.shape)}")

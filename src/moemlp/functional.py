@@ -318,6 +318,14 @@ def _into_main_grad(weight: Tensor, dw: Tensor) -> Optional[Tensor]:
 # --- the public function ----------------------------------------------------------------------
 
 
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _resolve_backend(backend, x: Tensor, recipe) -> str:
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
@@ -327,7 +335,7 @@ def _resolve_backend(backend, x: Tensor, recipe) -> str:
         return "torch"
     kernels = _kernels()
     reason = None
-    if kernels is None:
+    if kernels is None or not _triton_importable():
         reason = "triton is not installed (pip install 'moemlp[triton]')"
     elif x.dtype == torch.float64:
         reason = "the Triton kernels take bf16, fp16 or fp32 inputs; float64 runs on backend='torch'"
@@ -413,6 +421,7 @@ def grouped_mlp(
         glu=spec.glu,
         glu_interleave=glu_interleave,
         scale_fc2_bias=scale_fc2_bias,
+        activation=spec.name,
     )
     recipe_obj = None if recipe is None else _recipes().resolve_recipe(recipe)
     be = _resolve_backend(backend, x, recipe_obj)

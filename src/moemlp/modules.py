@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ._quantized_weights import quantize_weights
 from .activations import resolve_activation
-from .functional import grouped_mlp
+from .functional import _BACKENDS, grouped_mlp
 
 __all__ = ["GroupedMLP"]
 
@@ -34,10 +34,10 @@ class GroupedMLP(nn.Module):
 
     def __init__(
         self,
+        *,
         num_experts: int,
         hidden_size: int,
         ffn_hidden_size: int,
-        *,
         activation: str = "swiglu",
         activation_params: Optional[Mapping[str, float]] = None,
         bias: bool = False,
@@ -66,6 +66,14 @@ class GroupedMLP(nn.Module):
                 f"glu_interleave: expected None or a positive divisor of ffn_hidden_size = "
                 f"{ffn_hidden_size} with a GLU activation, got {glu_interleave!r} with {activation!r}"
             )
+        if not isinstance(backend, str):
+            raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend: expected one of {list(_BACKENDS)}, got {backend!r}")
+        for name, flag in (("bias", bias), ("scale_fc2_bias", scale_fc2_bias), ("recompute_fc1", recompute_fc1),
+                           ("accumulate_into_main_grad", accumulate_into_main_grad)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
         if recipe is not None:
             from .recipes import resolve_recipe
 

@@ -98,7 +98,7 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
     """Times the layer and its phases on this rank; every rank of ``group`` calls it in lockstep."""
     dtype = torch.bfloat16
     torch.manual_seed(0)
-    moe = MoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, score="sigmoid", expert_bias=True,
+    moe = MoE(hidden_size=shape.hidden, ffn_hidden_size=shape.ffn, num_experts=shape.experts, top_k=shape.top_k, score="sigmoid", expert_bias=True,
               aux_loss_coeff=1e-4, ep_group=group, backend=backend, device=device, dtype=dtype)
     rank = dist.get_rank(group) if group is not None else 0
     g = torch.Generator(device=device).manual_seed(1 + rank)  # drawn on the device: 1 GB of rows

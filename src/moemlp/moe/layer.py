@@ -59,11 +59,11 @@ class MoE(nn.Module):
 
     def __init__(
         self,
+        *,
         hidden_size: int,
         ffn_hidden_size: int,
         num_experts: int,
         top_k: int,
-        *,
         activation: str = "swiglu",
         activation_params: Optional[Mapping[str, float]] = None,
         score: str = "softmax",
@@ -124,9 +124,9 @@ class MoE(nn.Module):
             device=device,
         )
         self.experts = GroupedMLP(
-            self.num_local_experts,
-            hidden_size,
-            ffn_hidden_size,
+            num_experts=self.num_local_experts,
+            hidden_size=hidden_size,
+            ffn_hidden_size=ffn_hidden_size,
             activation=activation,
             activation_params=activation_params,
             recipe=recipe,
