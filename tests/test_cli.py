@@ -1,41 +1,85 @@
-"""python -m moemlp bench / precision on the CPU: tables, CSV and PNG written, numbers sane."""
+"""python -m moemlp bench / precision on the CPU: tables, CSV and PNG written, numbers sane, and the
+command line's own errors."""
 
 import csv
+
+import pytest
 
 from moemlp.__main__ import main
 
 
 def test_bench_cpu(tmp_path, capsys):
-    assert main(["bench", "--device", "cpu", "--backend", "torch", "--out", str(tmp_path),
-                 "--rep-ms", "20"]) == 0
+    assert main(["bench", "--device", "cpu", "--backend", "torch", "--shape", "cpu-small", "--peers", "lean,te",
+                 "--out", str(tmp_path), "--rep-ms", "20"]) == 0
     rows = list(csv.DictReader(open(tmp_path / "bench.csv")))
     assert [r["shape"] for r in rows] == ["cpu-small"]
     r = rows[0]
-    assert float(r["moemlp_fwdbwd_tflops"]) > 0 and float(r["torch_fwdbwd_tflops"]) > 0
-    assert float(r["rel_diff_y"]) < 2e-2
-    # The fused design keeps bf16 h (2·2F bytes) + fp32 probs per row; the composition ~2.5× more.
+    assert r["backend"] == "torch"
+    for impl in ("moemlp", "lean", "te"):
+        assert float(r[f"{impl}_fwdbwd_tflops"]) > 0 and int(r[f"{impl}_fwdbwd_n"]) >= 5
+        assert float(r[f"{impl}_fwdbwd_spread"]) >= 0
+    assert float(r["rel_diff_y_lean"]) < 2e-2 and float(r["rel_diff_y_te"]) < 2e-2
+    assert float(r["vs_lean_fwdbwd"]) == pytest.approx(float(r["lean_fwdbwd_ms"]) / float(r["moemlp_fwdbwd_ms"]))
+    # The fused design keeps bf16 h (2·2F bytes) + fp32 probs per row; the TE-like composition ~2.5× more.
     F = int(r["F"])
     assert float(r["moemlp_saved_bytes_per_row"]) <= 2 * 2 * F + 4
-    assert float(r["torch_saved_bytes_per_row"]) > 2 * float(r["moemlp_saved_bytes_per_row"])
+    assert float(r["te_saved_bytes_per_row"]) > 2 * float(r["moemlp_saved_bytes_per_row"])
+    assert float(r["lean_saved_bytes_per_row"]) > float(r["moemlp_saved_bytes_per_row"])
     assert (tmp_path / "bench.png").stat().st_size > 0
-    assert "speedup_fwdbwd" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "backend=torch (runs: torch)" in out and "vs_lean_fwdbwd" in out and "p90 − p10" in out
 
 
-def test_precision_cpu(tmp_path, capsys):
-    assert main(["precision", "--device", "cpu", "--backend", "torch", "--out", str(tmp_path)]) == 0
-    rows = {r["impl"].split(" ")[0]: r for r in csv.DictReader(open(tmp_path / "precision.csv"))}
-    assert float(rows["moemlp"]["dprobs"]) <= 1e-5
-    assert float(rows["torch"]["dprobs"]) > 1e-4
-    assert rows["moemlp"]["dprobs_dtype"] == "float32"
-    assert "contract: moemlp dprobs" in capsys.readouterr().out
+def test_bench_compiled_peer_cpu(tmp_path):
+    # The peer a torchtitan user runs: the lean composition under torch.compile, same numbers.
+    assert main(["bench", "--device", "cpu", "--shape", "cpu-fine", "--peers", "compiled", "--out", str(tmp_path),
+                 "--rep-ms", "10"]) == 0
+    (r,) = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    assert float(r["rel_diff_y_compiled"]) < 2e-2 and float(r["compiled_fwdbwd_ms"]) > 0
+
+
+def test_precision_cpu_every_shape_given(tmp_path, capsys):
+    assert main(["precision", "--device", "cpu", "--backend", "torch", "--shape", "cpu-small", "--shape", "cpu-fine",
+                 "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "precision.csv")))
+    assert sorted({r["shape"] for r in rows}) == ["cpu-fine", "cpu-small"]  # both, not the first alone
+    for shape in ("cpu-small", "cpu-fine"):
+        ours = next(r for r in rows if r["shape"] == shape and r["impl"] == "moemlp (torch)")
+        lean = next(r for r in rows if r["shape"] == shape and r["impl"].startswith("lean"))
+        assert float(ours["dprobs|h"]) <= 1e-6  # SPEC §1's bound
+        assert float(ours["dprobs e2e"]) < 1e-4
+        assert float(lean["dprobs e2e"]) > 1e-4  # bf16 probs and products: ~1e-3
+        assert 0 <= float(ours["h mismatch"]) < 1e-2
+        assert ours["dprobs dtype"] == "float32"
+    assert "contract (SPEC §1)" in capsys.readouterr().out
 
 
 def test_bench_recipes_cpu(tmp_path, capsys):
-    assert main(["bench", "--recipes", "--device", "cpu", "--backend", "torch", "--out", str(tmp_path),
-                 "--rep-ms", "20"]) == 0
+    assert main(["bench", "--recipes", "--device", "cpu", "--backend", "torch", "--shape", "cpu-small",
+                 "--out", str(tmp_path), "--rep-ms", "20"]) == 0
     (r,) = list(csv.DictReader(open(tmp_path / "bench_recipes.csv")))
     assert r["shape"] == "cpu-small" and float(r["bf16_fwdbwd_ms"]) > 0
     for name, floor in (("fp8_block", 20.0), ("mxfp8", 20.0), ("nvfp4", 8.0)):
         assert float(r[f"{name}_fwdbwd_ms"]) > 0 and float(r[f"{name}_speedup_fwdbwd"]) > 0
         assert float(r[f"{name}_snr_db"]) >= floor, (name, r[f"{name}_snr_db"])
     assert "fp8_block_speedup_fwdbwd" in capsys.readouterr().out
+
+
+def test_unknown_shape_lists_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--shape", "mixtral"])
+    err = capsys.readouterr().err
+    assert "mixtral-8x7b" in err and "cpu-small" in err
+
+
+def test_gpu_shape_on_cpu_is_refused_at_once():
+    with pytest.raises(SystemExit, match="cpu-small"):
+        main(["bench", "--device", "cpu", "--shape", "mixtral-8x7b"])
+    with pytest.raises(SystemExit, match="TFLOP"):
+        main(["precision", "--device", "cpu", "--shape", "deepseek-v3-ep8"])
+
+
+def test_unknown_peer_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--peers", "lean,cublas"])
+    assert "cublas" in capsys.readouterr().err

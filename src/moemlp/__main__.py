@@ -7,6 +7,10 @@ import sys
 
 import torch
 
+# A step of a GPU model shape is 10-100 TFLOP: hours on a CPU. Past this many FLOPs per forward +
+# backward a CPU run is refused instead of looking hung.
+_CPU_FLOP_LIMIT = 5e11
+
 
 def _device(arg: str | None) -> torch.device:
     if arg:
@@ -19,27 +23,49 @@ def _shapes(names, device):
 
     if not names:
         return list(default_shapes(device).values())
-    known = all_shapes()
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"--shape: unknown {unknown}; known: {sorted(known)}")
-    return [known[n] for n in names]
+    shapes = [all_shapes()[n] for n in dict.fromkeys(names)]  # argparse checked the names
+    if device.type != "cuda":
+        heavy = [s for s in shapes if s.flops(True) > _CPU_FLOP_LIMIT]
+        if heavy:
+            raise SystemExit(
+                f"--shape {heavy[0].name}: {heavy[0].flops(True) / 1e12:.0f} TFLOP per forward + backward, hours on "
+                f"a CPU; the model shapes are for a GPU (--device cuda). On a CPU use --shape cpu-small."
+            )
+    return shapes
+
+
+def _peers(arg: str):
+    from .bench.mlp import PEERS
+
+    peers = tuple(p for p in arg.split(",") if p)
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown or not peers:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {list(PEERS)}, got {arg!r}")
+    return peers
 
 
 def main(argv=None) -> int:
+    from .bench.common import all_shapes
+    from .bench.mlp import DEFAULT_PEERS
+
+    shape_names = list(all_shapes())
     parser = argparse.ArgumentParser(prog="python -m moemlp", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bench", help="time moemlp against the unfused torch composition")
-    b.add_argument("--shape", action="append", help="a model shape (repeatable); default: all for the device")
+    b = sub.add_parser("bench", help="time moemlp against the torch compositions users run")
     b.add_argument("--moe", action="store_true", help="benchmark the whole MoE layer instead")
     b.add_argument("--recipes", action="store_true", help="fp8_block, mxfp8 and nvfp4 beside the bf16 path")
+    b.add_argument("--peers", type=_peers, default=DEFAULT_PEERS,
+                   help="comma-separated: lean (the _grouped_mm composition users write), compiled (it under "
+                        "torch.compile), te (three unfused ops as TransformerEngine on Hopper); default lean,compiled")
+    b.add_argument("--rep-ms", type=int, default=200, help="timing budget per measurement (ms)")
     p = sub.add_parser("precision", help="relative errors vs float64: the probability contract")
-    p.add_argument("--shape", action="append", help="a model shape; default: the device's first")
     for sp in (b, p):
+        sp.add_argument("--shape", action="append", choices=shape_names, metavar="NAME",
+                        help=f"a shape (repeatable), one of {', '.join(shape_names)}; default: every model "
+                             f"shape on a GPU, cpu-small on a CPU")
         sp.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
         sp.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
         sp.add_argument("--out", default="results", help="folder for CSV and PNG (default: results)")
-    b.add_argument("--rep-ms", type=int, default=200, help="timing budget per measurement (ms)")
     args = parser.parse_args(argv)
     device = _device(args.device)
 
@@ -56,11 +82,11 @@ def main(argv=None) -> int:
             return 0
         from .bench.mlp import run_bench
 
-        run_bench(_shapes(args.shape, device), device, args.backend, args.out, args.rep_ms)
+        run_bench(_shapes(args.shape, device), device, args.backend, args.out, args.rep_ms, args.peers)
     elif args.cmd == "precision":
         from .bench.precision import run_precision
 
-        run_precision(_shapes(args.shape, device)[0], device, args.backend, args.out)
+        run_precision(_shapes(args.shape, device), device, args.backend, args.out)
     return 0
 
 

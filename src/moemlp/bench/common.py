@@ -41,8 +41,8 @@ GPU_SHAPES = {
         Shape("gpt-oss-120b", 2880, 2880, 128, 4, 4096),
     )
 }
-# Small enough for a 2-core CPU in seconds, with the same structure.
-CPU_SHAPES = {s.name: s for s in (Shape("cpu-small", 256, 128, 8, 2, 256),)}
+# Small enough for a 2-core CPU in seconds, with the same structure: few large experts, many small.
+CPU_SHAPES = {s.name: s for s in (Shape("cpu-small", 256, 128, 8, 2, 256), Shape("cpu-fine", 128, 64, 16, 4, 128))}
 
 
 def default_shapes(device: torch.device) -> dict[str, Shape]:
@@ -74,27 +74,64 @@ def routed_problem(shape: Shape, device, dtype=torch.bfloat16, probs_dtype=torch
     return x, splits.to(device), probs, fc1_weight, fc2_weight, dy
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, *, warmup_ms=25, rep_ms=100) -> float:
-    """Median milliseconds: triton's do_bench (device events) on a GPU, a host clock on the CPU."""
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds of one measured call: the median and the spread of ``n`` samples."""
+
+    median: float
+    p10: float
+    p90: float
+    n: int
+
+    @property
+    def spread(self) -> float:
+        """(p90 − p10) / median: 0.05 is a steady measurement, 0.3 a noisy one."""
+        return (self.p90 - self.p10) / self.median if self.median > 0 else 0.0
+
+
+def _quantile(sorted_times: Sequence[float], q: float) -> float:
+    i = min(len(sorted_times) - 1, max(0, round(q * (len(sorted_times) - 1))))
+    return sorted_times[i]
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, *, warmup_ms=25, rep_ms=100) -> Timing:
+    """Timing of ``fn()``: triton's do_bench (device events, every sample) on a GPU, a host clock on
+    the CPU (at least 5 samples, up to 50 within ``rep_ms``)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-    fn()  # warm-up
-    times = []
-    deadline = time.perf_counter() + rep_ms / 1e3
-    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        times = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+    else:
+        warm_until = time.perf_counter() + warmup_ms / 1e3
+        fn()  # warm-up: at least one call, and warmup_ms of them
+        while time.perf_counter() < warm_until:
+            fn()
+        times = []
+        deadline = time.perf_counter() + rep_ms / 1e3
+        while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 50):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times = sorted(float(t) for t in times)
+    return Timing(statistics.median(times), _quantile(times, 0.1), _quantile(times, 0.9), len(times))
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, *, warmup_ms=25, rep_ms=100) -> float:
+    """The median of ``time_ms``."""
+    return time_ms(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms).median
+
+
+def fwd_and_fwd_bwd(fn, leaves, dy, device: torch.device, rep_ms: int) -> tuple[Timing, Timing]:
+    """Timings of ``fn()`` under no_grad, and of ``fn()`` plus autograd.grad of ``leaves`` with ``dy``."""
+    with torch.no_grad():
+        fwd = time_ms(fn, device, rep_ms=rep_ms)
+    return fwd, time_ms(lambda: torch.autograd.grad(fn(), leaves, dy), device, rep_ms=rep_ms)
 
 
 def fwd_and_fwd_bwd_ms(fn, leaves, dy, device: torch.device, rep_ms: int) -> tuple[float, float]:
-    """Median ms of ``fn()`` under no_grad, and of ``fn()`` plus autograd.grad of ``leaves`` with ``dy``."""
-    with torch.no_grad():
-        fwd = median_ms(fn, device, rep_ms=rep_ms)
-    return fwd, median_ms(lambda: torch.autograd.grad(fn(), leaves, dy), device, rep_ms=rep_ms)
+    """Median ms of ``fwd_and_fwd_bwd``."""
+    fwd, fwd_bwd = fwd_and_fwd_bwd(fn, leaves, dy, device, rep_ms)
+    return fwd.median, fwd_bwd.median
 
 
 def saved_bytes_per_row(fn: Callable[[], torch.Tensor], exclude: Sequence[torch.Tensor], rows: int) -> float:

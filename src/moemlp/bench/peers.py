@@ -1,8 +1,12 @@
-"""The unfused torch composition moemlp is compared with: FC1 → activation · probs → FC2.
+"""The torch compositions moemlp is compared with: FC1 → activation · probs → FC2.
 
-As TransformerEngine runs it on Hopper: three ops, every intermediate in the compute dtype, probs
-rounded to the compute dtype, autograd through it all (so dprobs comes back through the compute
-dtype and is cast to probs.dtype at the end).
+- ``lean_composition``: what users write (torchtitan, transformers' "grouped_mm" experts):
+  ``torch._grouped_mm`` for both GEMMs, SwiGLU · probs in bf16, autograd through it all. The bench's
+  main peer, eager and under ``torch.compile`` (which fuses silu · up · probs).
+- ``torch_composition``: as TransformerEngine runs the block on Hopper: three ops, every intermediate
+  in the compute dtype, probs rounded to it, any activation, biases; dprobs comes back through the
+  compute dtype and is cast to probs.dtype at the end. The reference composition of the tests and of
+  ``precision``.
 """
 
 from __future__ import annotations
@@ -78,3 +82,31 @@ def torch_composition(
         b2 = _bias_rows(fc2_bias, splits, x.shape[0])
         y = y + (b2 * p if (scale_fc2_bias and p is not None) else b2)
     return y
+
+
+def lean_composition(x: Tensor, splits: Tensor, probs: Optional[Tensor], fc1_weight: Tensor,
+                     fc2_weight: Tensor) -> Tensor:
+    """SwiGLU grouped MLP as users write it, all in x.dtype (probs rounded to it)::
+
+        h = _grouped_mm(x, W1ᵀ, offs); gate, up = h.chunk(2, -1)
+        y = _grouped_mm(silu(gate) · up · probs[:, None], W2ᵀ, offs)
+
+    ``torch._grouped_mm`` where torch has it for these tensors (bf16; CUDA needs sm_90), else a
+    per-expert loop of the same products. offs is computed on the device (no host read)."""
+    if hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and (
+        not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
+    ):
+        offs = torch.cumsum(splits, 0).to(torch.int32)
+
+        def mm(t, w):
+            return torch._grouped_mm(t, w.transpose(-2, -1), offs=offs)
+    else:
+
+        def mm(t, w):
+            return _grouped_linear(t, w, splits, None)
+
+    gate, up = mm(x, fc1_weight).chunk(2, dim=-1)
+    z = torch.nn.functional.silu(gate) * up
+    if probs is not None:
+        z = z * probs.to(x.dtype)[:, None]
+    return mm(z, fc2_weight)
