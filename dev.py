@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Set-up and run, on a machine with only Python (>= 3.10) and pip.
 
-    python3 dev.py bench      # python -m moemlp bench (then precision) in .venv
+    python3 dev.py bench      # python -m moemlp bench, then precision on the same shapes, in .venv
     python3 dev.py test       # the test suite in .venv
     python3 dev.py setup      # only create .venv and install
 
@@ -60,9 +60,29 @@ def main(argv: list[str]) -> int:
     if cmd == "test":
         return _run([PY, "-m", "pytest", "-q", *rest], cwd=ROOT)
     rc = _run([PY, "-m", "moemlp", "bench", *rest], cwd=ROOT)
-    if rc == 0 and not rest:
-        rc = _run([PY, "-m", "moemlp", "precision"], cwd=ROOT)
+    if rc == 0 and not {"--moe", "--recipes", "-h", "--help"} & set(rest):
+        rc = _run([PY, "-m", "moemlp", "precision", *_precision_args(rest)], cwd=ROOT)
     return rc
+
+
+def _precision_args(bench_args: list[str]) -> list[str]:
+    """The bench arguments that precision takes too (--shape, --device, --backend, --out)."""
+    shared = ("--shape", "--device", "--backend", "--out")
+    out, i = [], 0
+    while i < len(bench_args):
+        arg = bench_args[i]
+        name = arg.split("=", 1)[0]
+        if name in shared:
+            out.append(arg)
+            if "=" not in arg and i + 1 < len(bench_args):
+                out.append(bench_args[i + 1])
+                i += 1
+        elif name not in ("--peers", "--rep-ms"):
+            raise SystemExit(f"dev.py bench: {arg!r} is not an argument of python -m moemlp bench")
+        elif "=" not in arg:
+            i += 1  # skip the value of --peers / --rep-ms
+        i += 1
+    return out
 
 
 if __name__ == "__main__":

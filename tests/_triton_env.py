@@ -24,6 +24,11 @@ RUN_CPU_CASES = INTERPRET and not torch.cuda.is_available()
 START_CHILD = not INTERPRET and not torch.cuda.is_available()
 
 
+# (test file, cases passed, cases skipped) of every interpreter child this session ran: each child is
+# one test in the parent's count, so conftest.py's terminal summary reports the cases inside.
+CHILD_RESULTS: list[tuple[str, int, int]] = []
+
+
 def run_file_interpreted(test_file: str, timeout: int = 600) -> None:
     """pytest ``test_file`` in a child process with TRITON_INTERPRET=1; fail with its output."""
     here = os.path.dirname(os.path.abspath(test_file))
@@ -36,3 +41,5 @@ def run_file_interpreted(test_file: str, timeout: int = 600) -> None:
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-4000:]
     passed = re.search(r"(\d+) passed", run.stdout)
     assert passed and int(passed.group(1)) > 0, "the interpreter child ran no test:\n" + run.stdout[-2000:]
+    skipped = re.search(r"(\d+) skipped", run.stdout)
+    CHILD_RESULTS.append((os.path.basename(test_file), int(passed.group(1)), int(skipped.group(1)) if skipped else 0))
