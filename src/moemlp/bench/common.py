@@ -31,7 +31,7 @@ class Shape:
         return 3.0 * fwd if backward else fwd
 
 
-# ANCHORS.md's four shapes (H, F, E, top_k, tokens); deepseek-v3 is one rank of 8-way EP.
+# Four released models' expert shapes (H, F, E, top_k, tokens); deepseek-v3 is one rank of 8-way EP.
 GPU_SHAPES = {
     s.name: s
     for s in (

@@ -11,15 +11,7 @@ Timing: a fixed number of iterations, one pair of device events each, median. (t
 picks its iteration count from a first estimate, which may differ between EP ranks: a collective
 called a different number of times would hang.) FLOPs of the experts: 18·T·k·H·F per rank.
 
-Measured 2026-11-30 on 2 × H200 (torch 2.11.0+cu130, triton 3.6.0), bf16, deepseek-v3-like
-(H 7168, F 2048, top-8 sigmoid routing, 4096 tokens and 32 experts per GPU), per rank:
-
-    ep  layer fwd+bwd  tokens/s   TFLOP/s  dispatch  experts  combine
-     1      18.1 ms    225,900     478     14.8 %    82.9 %    2.4 %
-     2      23.8 ms    171,818     363     23.5 %    65.9 %   10.6 %
-
-(ANCHORS.md, same shape, one H200: the expert block as a torch composition 405 TFLOP/s, ScatterMoE
-402.) With EP the all-to-alls and the one host sync of the row counts show in dispatch and combine.
+With EP the all-to-alls and the one host sync of the row counts show in dispatch and combine.
 """
 
 from __future__ import annotations
@@ -58,8 +50,8 @@ class MoEShape:
         return 18.0 * self.tokens * self.top_k * self.hidden * self.ffn
 
 
-# DeepSeek-V3's expert shape (H 7168, F 2048, top-8, sigmoid routing) with 32 experts per GPU, as
-# ANCHORS.md's "deepseek-v3 ep8" row: one GPU holds E = 32, EP over 2 GPUs E = 64.
+# DeepSeek-V3's expert shape (H 7168, F 2048, top-8, sigmoid routing) with 32 experts per GPU (its
+# 256 experts over 8-way EP): one GPU holds E = 32, EP over 2 GPUs E = 64.
 GPU_SHAPES = (
     MoEShape("deepseek-v3-like", 7168, 2048, 32, 8, 4096, 1),
     MoEShape("deepseek-v3-like", 7168, 2048, 64, 8, 4096, 2),
@@ -68,9 +60,6 @@ CPU_SHAPES = (
     MoEShape("cpu-small", 256, 128, 8, 2, 256, 1),
     MoEShape("cpu-small", 256, 128, 8, 2, 256, 2),
 )
-# ANCHORS.md, one H200: the whole expert block (dispatch, MLP, combine) on the deepseek-v3 ep8
-# shape, forward + backward TFLOP/s.
-ANCHOR_NOTE = "ANCHORS.md deepseek-v3 ep8 expert block fwd+bwd: torch composition 405, ScatterMoE 402 TFLOP/s"
 
 
 def _time_ms(fn, device: torch.device, iters: int, warmup: int, group=None) -> float:
@@ -275,8 +264,6 @@ def run_moe_bench(args) -> list[dict]:
     print_table(rows, ["shape", "ep", "E_local", "tokens_per_rank", "layer_ms", "tokens_per_s", "tflops",
                        "dispatch_pct", "experts_pct", "combine_pct", "phases_sum_ms"],
                 "MoE layer forward + backward, per rank (bf16, fp32 router and probs)")
-    if on_gpu:
-        print(ANCHOR_NOTE)
     csv_path = os.path.join(out, "moe_bench.csv")
     write_csv(csv_path, rows)
     print(f"wrote {csv_path}")

@@ -109,9 +109,7 @@ def precision_shape(shape, device: torch.device, backend: str) -> list[dict]:
         rows.append(_measure(f"moemlp ({be})", lambda *a, be=be: grouped_mlp(*a, backend=be), h, problem, f64))
     rows.append(_measure("lean composition (bf16 probs)", lean_composition, _stored_h_lean(x, splits, w1),
                          problem, f64))
-    for r in rows:
-        r["shape"] = shape.name
-    return rows
+    return [{"shape": shape.name, **r} for r in rows]
 
 
 def run_precision(shapes, device: torch.device, backend: str, out_dir: str) -> list[dict]:

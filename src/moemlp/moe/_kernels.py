@@ -16,7 +16,7 @@ from torch import Tensor
 
 __all__ = ["gather_rows", "gather_sum_rows"]
 
-# The CPU interpreter (triton 3.9, checked 2026-11-30) truncates fp32 -> bf16 instead of rounding to
+# The CPU interpreter (triton 3.9) truncates fp32 -> bf16 instead of rounding to
 # nearest even; under it the k-sum is stored in fp32 and rounded by torch. The GPU rounds in the store.
 _INTERPRET_BF16_STORE_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
