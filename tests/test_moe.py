@@ -398,3 +398,40 @@ def test_router_logits_fp32_under_autocast():
         probs_ac, idx_ac = moe.router(x)
     assert probs_ac.dtype == torch.float32
     assert torch.equal(idx, idx_ac) and torch.equal(probs, probs_ac)
+
+
+_FSDP_SCRIPT = r'''
+import os, socket, torch, torch.distributed as dist
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import moemlp
+torch.manual_seed(0)
+x = torch.randn(6, 64, dtype=torch.bfloat16)
+whole = moemlp.MoE(hidden_size=64, ffn_hidden_size=32, num_experts=8, top_k=2, backend="torch")
+fully_shard(whole, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+try:
+    whole(x)
+    print("whole: no error")
+except TypeError as e:
+    print("whole: TypeError", "MixedPrecisionPolicy(param_dtype=torch.float32)" in str(e))
+split = moemlp.MoE(hidden_size=64, ffn_hidden_size=32, num_experts=8, top_k=2, backend="torch")
+fully_shard(split.router, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+fully_shard(split, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+y = split(x)
+y.float().square().sum().backward()
+print("split:", y.dtype, split.router.weight.grad.dtype, bool(split.router.weight.grad.abs().sum() > 0))
+dist.destroy_process_group()
+'''
+
+
+def test_fsdp_mixed_precision_router():
+    # FSDP2's MixedPrecisionPolicy(param_dtype=bf16) over the whole layer would hand the router a bf16
+    # weight: refused with the fix in the message. With the router sharded under its own fp32 policy,
+    # the layer runs in bf16 and the router's gradient is fp32. One gloo process, in a child.
+    run = subprocess.run([sys.executable, "-c", _FSDP_SCRIPT], capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "whole: TypeError True" in run.stdout, run.stdout
+    assert "split: torch.bfloat16 torch.float32 True" in run.stdout, run.stdout
