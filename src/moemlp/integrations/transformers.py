@@ -11,9 +11,10 @@ Since v5 every MoE model's experts module calls ``ExpertsInterface[config._exper
     y[t] = Σ_k w[t, k] · (act(x[t] W1[e]ᵀ + b1[e]) W2[e]ᵀ + b2[e]),   e = top_k_index[t, k]
 
 with moemlp: the (token, k) slots sorted by expert on the device (moemlp.moe.dispatch, no host
-read), one ``grouped_mlp`` call with the routing weights in fp32 and ``scale_fc2_bias=True`` (the
-weight multiplies the expert output after its bias, as in transformers: w·(z·W2ᵀ + b2) =
-(w·z)·W2ᵀ + w·b2), and the k outputs of a token summed in k order in fp32.
+read), one ``grouped_mlp`` call with the routing weights in fp32 (float64 for float64 experts) and
+``scale_fc2_bias=True`` (the weight multiplies the expert output after its bias, as in
+transformers: w·(z·W2ᵀ + b2) = (w·z)·W2ᵀ + w·b2), and the k outputs of a token summed in k order
+in fp32.
 
 Each experts module is mapped onto grouped_mlp's arguments once (``resolve_experts``): weights
 (E, 2F, H) and (E, H, F), or (E, H, 2F) and (E, F, H) when ``is_transposed``; optional biases; the
@@ -238,11 +239,12 @@ def resolve_experts(module) -> ExpertsMapping:
 # --- the backend ------------------------------------------------------------------------------
 
 
-def _routing_probs(top_k_weights: Tensor, top_k_index: Tensor, num_experts: int) -> Tensor:
-    """(T, K) fp32 routing weight of each slot."""
+def _routing_probs(top_k_weights: Tensor, top_k_index: Tensor, num_experts: int, dtype: torch.dtype) -> Tensor:
+    """(T, K) routing weight of each slot, in fp32 (float64 for float64 experts)."""
     T, K = top_k_index.shape
     if not isinstance(top_k_weights, Tensor) or not top_k_weights.is_floating_point():
-        raise TypeError(f"top_k_weights: expected a floating-point tensor, got {getattr(top_k_weights, 'dtype', type(top_k_weights))}")
+        got = top_k_weights.dtype if isinstance(top_k_weights, Tensor) else type(top_k_weights).__name__
+        raise TypeError(f"top_k_weights: expected a floating-point tensor, got {got}")
     if tuple(top_k_weights.shape) == (T, K):  # checked first: with K == E both forms have this shape
         weights = top_k_weights
     elif tuple(top_k_weights.shape) == (T, num_experts):
@@ -254,8 +256,9 @@ def _routing_probs(top_k_weights: Tensor, top_k_index: Tensor, num_experts: int)
             f"top_k_weights: expected shape (tokens, top_k) = {(T, K)} or (tokens, num_experts) = "
             f"{(T, num_experts)}, got {tuple(top_k_weights.shape)}"
         )
-    # Exact from bf16 / fp16, unchanged for fp32; from float64 this rounds (probs are fp32 in moemlp).
-    return weights.float()
+    # fp32: exact from bf16 / fp16, unchanged from fp32. float64 experts keep float64 weights
+    # (grouped_mlp takes float64 probs with float64 x); other experts get float64 weights rounded.
+    return weights.to(torch.float64 if dtype == torch.float64 else torch.float32)
 
 
 def _check_routing(hidden_states, top_k_index, hidden: int) -> None:
@@ -287,7 +290,7 @@ def _run(module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tens
         fc2_bias = module.down_proj_bias.to(dtype)  # (E, H)
     num_experts, hidden = fc1.shape[0], fc1.shape[2]
     _check_routing(hidden_states, top_k_index, hidden)
-    probs = _routing_probs(top_k_weights, top_k_index, num_experts)  # (T, K) fp32
+    probs = _routing_probs(top_k_weights, top_k_index, num_experts, dtype)  # (T, K) fp32
     # The experts compute in their own dtype (as transformers' grouped_mm casts the input to it).
     x = hidden_states.to(dtype)  # (T, H)
     params = dict(m.activation_params)
