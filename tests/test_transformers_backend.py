@@ -377,3 +377,21 @@ def test_routing_inputs_validated():
         mh.experts_forward(experts, x, index.double(), weights)
     with pytest.raises(ValueError, match="hidden_states"):
         mh.experts_forward(experts, x[:, :-1], index, weights)
+
+
+def test_hf_bench_smoke(tmp_path):
+    """``python -m moemlp bench --hf`` on its CPU configs: both backends timed, and the MoE block's
+    bf16 outputs agree with grouped_mm's within bf16 rounding of a two-GEMM block (2e-2, the bound
+    bench/mlp.py checks before timing)."""
+    import argparse
+
+    from moemlp.bench.hf import CPU_MODELS, run_hf_bench
+
+    rows = run_hf_bench(argparse.Namespace(device="cpu", backend="auto", out=str(tmp_path), rep_ms=1))
+    assert [(r["model"], r["experts_impl"]) for r in rows] == [
+        (m.name, impl) for m in CPU_MODELS for impl in ("moemlp", "grouped_mm")
+    ]
+    for r in rows:
+        assert r["moe_block_ms"] > 0 and r["model_ms"] > 0
+        assert r["rel_diff_block_out"] < 2e-2
+    assert (tmp_path / "hf_bench.csv").exists()
