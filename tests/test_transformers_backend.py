@@ -395,3 +395,44 @@ def test_hf_bench_smoke(tmp_path):
         assert r["moe_block_ms"] > 0 and r["model_ms"] > 0
         assert r["rel_diff_block_out"] < 2e-2
     assert (tmp_path / "hf_bench.csv").exists()
+
+
+def test_mapping_cache_lets_modules_go():
+    """The per-module mapping cache holds modules weakly, also when their mapping failed."""
+    import gc
+    import weakref
+
+    experts = _UnaryExperts(transformers.PretrainedConfig(hidden_act="gelu"))  # erf GELU: no mapping
+    with pytest.raises(ValueError, match="_UnaryExperts"):
+        mh.resolve_experts(experts)
+    alive = weakref.ref(experts)
+    del experts
+    gc.collect()
+    assert alive() is None
+
+
+def test_prepare_and_compile_fullgraph():
+    """prepare() maps every experts module up front; the backend then traces under
+    torch.compile(fullgraph=True) (dynamo; the grouped MLP is a custom op) and gives the eager
+    call's outputs. Without prepare the trace stops with an error that says to call it."""
+    model = _model("gpt_oss", torch.float32)
+    fresh = model.model.layers[1].mlp.experts
+    x = torch.randn(10, HIDDEN)
+    index, weights = _routing(10, 2, 4)
+    weights = weights.float()
+    traced = torch.compile(lambda e, *a: mh.experts_forward(e, *a), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="prepare"):
+        traced(fresh, x, index, weights)
+    mappings = mh.prepare(model)
+    assert sorted(mappings) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert {m.activation for m in mappings.values()} == {"clamped_swiglu"}
+    torch.testing.assert_close(traced(fresh, x, index, weights), mh.experts_forward(fresh, x, index, weights),
+                               rtol=0, atol=0)
+
+
+def test_prepare_strict():
+    cfg_name, kw, _, _, _ = FAMILIES["olmoe"]
+    model = transformers.OlmoeForCausalLM(getattr(transformers, cfg_name)(**{**_COMMON, **kw, "hidden_act": "gelu"}))
+    with pytest.raises(ValueError, match=r"model\.model\.layers\.0\.mlp\.experts: OlmoeExperts"):
+        mh.prepare(model)
+    assert mh.prepare(model, strict=False) == {}

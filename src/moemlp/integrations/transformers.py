@@ -51,7 +51,7 @@ from ..activations import resolve_activation
 from ..functional import grouped_mlp
 from ..moe.dispatch import BACKENDS, local_moe_forward, use_triton
 
-__all__ = ["register", "experts_forward", "resolve_experts", "ExpertsMapping", "MIN_TRANSFORMERS_VERSION"]
+__all__ = ["register", "prepare", "experts_forward", "resolve_experts", "ExpertsMapping", "MIN_TRANSFORMERS_VERSION"]
 
 # 5.0-5.6 have ExpertsInterface, but PreTrainedModel.get_correct_experts_implementation accepts
 # only the built-in names there ("eager", "grouped_mm", "batched_mm", "deepgemm"); 5.7 accepts any
@@ -198,7 +198,9 @@ def _resolve(module) -> ExpertsMapping:
     )
 
 
-# module -> (signature, mapping or the ValueError it raised); recomputed when the signature changes.
+# module -> (signature, mapping or the message of the ValueError it raised); recomputed when the
+# signature changes. A message, not the exception: its traceback would hold the module and keep the
+# weak key alive.
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -226,14 +228,43 @@ def resolve_experts(module) -> ExpertsMapping:
     sig = _signature(module)
     hit = _CACHE.get(module)
     if hit is None or hit[0] != sig:
+        if torch.compiler.is_compiling():
+            # The probe reads values on the host (allclose), which a graph cannot hold.
+            raise ValueError(
+                f"{type(module).__name__}: not resolved yet; call moemlp.integrations.transformers.prepare(model) "
+                f"(or run one forward) before torch.compile"
+            )
         try:
             hit = (sig, _resolve(module))
         except ValueError as e:
-            hit = (sig, e)
+            hit = (sig, str(e))
         _CACHE[module] = hit
-    if isinstance(hit[1], ValueError):
-        raise hit[1]
+    if isinstance(hit[1], str):
+        raise ValueError(hit[1])
     return hit[1]
+
+
+def prepare(model: torch.nn.Module, *, strict: bool = True) -> dict[str, ExpertsMapping]:
+    """Resolve every experts module of ``model`` now ({qualified name: mapping}). The first forward
+    does this by itself; call it before ``torch.compile``, whose trace cannot run the float64 probe,
+    or to see how each module maps. ``strict=False`` leaves out modules that cannot be mapped (a
+    ``fallback`` runs them) instead of raising ValueError."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict: expected a bool, got {type(strict).__name__}")
+    mappings = {}
+    for name, module in model.named_modules():
+        # What use_experts_implementation sets on every experts module, beside the weights.
+        if not (hasattr(module, "is_transposed") and hasattr(module, "has_bias")
+                and isinstance(getattr(module, "down_proj", None), Tensor)):
+            continue
+        try:
+            mappings[name] = resolve_experts(module)
+        except ValueError as e:
+            if strict:
+                raise ValueError(f"model.{name}: {e}") from None
+    return mappings
 
 
 # --- the backend ------------------------------------------------------------------------------
@@ -245,6 +276,11 @@ def _routing_probs(top_k_weights: Tensor, top_k_index: Tensor, num_experts: int,
     if not isinstance(top_k_weights, Tensor) or not top_k_weights.is_floating_point():
         got = top_k_weights.dtype if isinstance(top_k_weights, Tensor) else type(top_k_weights).__name__
         raise TypeError(f"top_k_weights: expected a floating-point tensor, got {got}")
+    if top_k_weights.device != top_k_index.device:
+        raise TypeError(
+            f"top_k_weights: expected a tensor on {top_k_index.device} (top_k_index's device), "
+            f"got {top_k_weights.device}"
+        )
     if tuple(top_k_weights.shape) == (T, K):  # checked first: with K == E both forms have this shape
         weights = top_k_weights
     elif tuple(top_k_weights.shape) == (T, num_experts):
@@ -274,6 +310,11 @@ def _check_routing(hidden_states, top_k_index, hidden: int) -> None:
         )
     if top_k_index.dtype.is_floating_point or top_k_index.dtype.is_complex or top_k_index.dtype == torch.bool:
         raise TypeError(f"top_k_index: expected an integer tensor, got {top_k_index.dtype}")
+    if top_k_index.device != hidden_states.device:
+        raise TypeError(
+            f"top_k_index: expected a tensor on {hidden_states.device} (hidden_states' device), "
+            f"got {top_k_index.device}"
+        )
 
 
 def _run(module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, m: ExpertsMapping,
@@ -290,7 +331,7 @@ def _run(module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tens
         fc2_bias = module.down_proj_bias.to(dtype)  # (E, H)
     num_experts, hidden = fc1.shape[0], fc1.shape[2]
     _check_routing(hidden_states, top_k_index, hidden)
-    probs = _routing_probs(top_k_weights, top_k_index, num_experts, dtype)  # (T, K) fp32
+    probs = _routing_probs(top_k_weights, top_k_index, num_experts, dtype)  # (T, K) fp32 / float64
     # The experts compute in their own dtype (as transformers' grouped_mm casts the input to it).
     x = hidden_states.to(dtype)  # (T, H)
     params = dict(m.activation_params)
