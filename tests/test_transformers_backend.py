@@ -436,3 +436,91 @@ def test_prepare_strict():
     with pytest.raises(ValueError, match=r"model\.model\.layers\.0\.mlp\.experts: OlmoeExperts"):
         mh.prepare(model)
     assert mh.prepare(model, strict=False) == {}
+
+
+# A superset of the config fields the installed experts classes read, at tiny sizes.
+_GENERIC_EXPERTS_CONFIG = dict(
+    num_local_experts=4, n_routed_experts=4, num_experts=4, moe_num_experts=4, num_experts_per_tok=2,
+    hidden_size=HIDDEN, intermediate_size=16, moe_intermediate_size=16, expert_intermediate_size=16,
+    moe_ffn_hidden_size=16, moe_latent_size=None, mlp_bias=False, hidden_act="silu", mlp_hidden_act="relu2",
+    hidden_activation="gelu_pytorch_tanh", swiglu_limit=7.0, swiglu_alpha=1.702, mlp_gate_softcap=4.0,
+    mlp_up_softcap=25.0, moe_hidden_size=HIDDEN, post_norm_eps=1e-6,
+)
+
+
+def _installed_experts_classes():
+    import importlib
+    import inspect
+    import os
+    import pkgutil
+
+    import transformers.models as models
+
+    for info in sorted(pkgutil.iter_modules(models.__path__), key=lambda m: m.name):
+        path = os.path.join(models.__path__[0], info.name, f"modeling_{info.name}.py")
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            if "use_experts_implementation" not in f.read():
+                continue
+        module = importlib.import_module(f"transformers.models.{info.name}.modeling_{info.name}")
+        for name, cls in vars(module).items():
+            if inspect.isclass(cls) and cls.__module__ == module.__name__ and "Experts" in name \
+                    and hasattr(cls, "_apply_gate"):
+                yield cls
+
+
+def test_every_installed_experts_class_matches_batched_mm():
+    """Every experts class of the installed transformers (56 in 5.17), built at tiny size with
+    random float64 weights: moemlp gives transformers' batched_mm outputs and gradients (input and
+    every parameter) to float64 op-order rounding (1e-12), or raises the ValueError naming the class.
+    A gate that computes in fp32 inside (Inkling2's) makes the reference itself carry fp32
+    rounding (relative 2^-24 per element): 1e-6 for those. Classes with an experts option moemlp
+    does not implement (5.24: has_post_expert_norm) must be the ones that raise."""
+    mismatched, unmapped, refused, built = [], [], [], 0
+    for cls in _installed_experts_classes():
+        experts = cls(transformers.PretrainedConfig(**_GENERIC_EXPERTS_CONFIG)).double()
+        built += 1
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in experts.parameters():  # std 1: the gpt-oss style clamps at 7 engage
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+        x = torch.randn(9, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
+        index, weights = _routing(9, 2, 4)
+        if getattr(experts, "has_post_expert_norm", False):
+            refused.append(cls.__name__)
+        try:
+            mapping = mh.resolve_experts(experts)
+        except ValueError as e:
+            assert cls.__name__ in str(e)
+            unmapped.append(cls.__name__)
+            continue
+        with torch.no_grad():
+            h = torch.randn(4, experts.down_proj.shape[2 if not mapping.transposed else 1] * (
+                2 if mapping.fc1_name == "gate_up_proj" else 1), generator=g, dtype=torch.float64)
+            a = experts._apply_gate(h) if mapping.fc1_name == "gate_up_proj" else experts.act_fn(h)
+        tol = 1e-6 if bool((a.float().double() == a).all()) else 1e-12  # fp32 inside the gate
+        y = mh.experts_forward(experts, x, index, weights)
+        ref = ALL_EXPERTS_FUNCTIONS["batched_mm"](experts, x, index, weights)
+        leaves = [x, *experts.parameters()]
+        dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
+        errs = [_rel(y, ref)] + [_rel(a, b) for a, b in zip(torch.autograd.grad(y, leaves, dy),
+                                                            torch.autograd.grad(ref, leaves, dy))]
+        if max(errs) > tol:
+            mismatched.append((cls.__name__, max(errs)))
+    assert built >= 20  # the discovery found the interface's classes (27 in 5.7, 56 in 5.17)
+    assert mismatched == []
+    # with hidden_act="silu" every installed gate has a moemlp activation
+    assert unmapped == refused
+
+
+def test_unmapped_experts_option_raises(monkeypatch):
+    """An option of use_experts_implementation that moemlp does not implement, set on a module,
+    is refused by name (as has_post_expert_norm=True is in transformers 5.24)."""
+    experts = _experts("qwen3_moe")
+    monkeypatch.setitem(mh._OTHER_FLAGS, "has_post_expert_norm", False)
+    experts.has_post_expert_norm = True
+    with pytest.raises(ValueError, match="Qwen3MoeExperts: has_post_expert_norm=True"):
+        mh.resolve_experts(experts)
+    experts.has_post_expert_norm = False
+    assert mh.resolve_experts(experts).activation == "swiglu"

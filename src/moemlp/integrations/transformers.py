@@ -27,6 +27,7 @@ that transformers backend: never a silently different result.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 import weakref
@@ -38,7 +39,7 @@ from torch import Tensor
 
 try:
     import transformers
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, use_experts_implementation
 except ImportError as e:  # transformers absent, or a 4.x without the experts interface
     raise ImportError(
         "moemlp.integrations.transformers needs transformers>=5.7.0: pip install 'moemlp[transformers]'"
@@ -65,6 +66,17 @@ if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS_VERSION)
 
 # transformers' own backends, which register() must not replace.
 _BUILTIN_NAMES = frozenset(ExpertsInterface._global_mapping) | {"eager"}
+
+# The options of transformers' use_experts_implementation decorator, which it sets on each experts
+# module under the same names. These four are mapped (is_concatenated only orders the layouts the
+# gate probe tries); any other one at a value not its default (5.24: has_post_expert_norm, a norm
+# between the down projection and the routing weight, which grouped_mlp applies inside) is refused.
+_MAPPED_FLAGS = frozenset({"is_concatenated", "is_transposed", "has_bias", "has_gate"})
+_OTHER_FLAGS = {
+    name: p.default
+    for name, p in inspect.signature(use_experts_implementation).parameters.items()
+    if p.kind is p.KEYWORD_ONLY and name != "experts_interface" and name not in _MAPPED_FLAGS
+}
 
 _LIMIT_ATTRS = ("limit", "swiglu_limit")  # gpt-oss, openai_privacy_filter | GLM-5, MiniMax-M3, HY-V4
 _ALPHA_ATTRS = ("alpha", "swiglu_alpha")
@@ -105,6 +117,13 @@ def _number_attr(module, names: tuple[str, ...]) -> Optional[float]:
 def _layout(module) -> tuple[str, bool, bool, int, int]:
     """(fc1_name, transposed, has_bias, N1, F) after checking the weight and bias shapes."""
     cls = type(module).__name__
+    for flag, default in _OTHER_FLAGS.items():
+        value = getattr(module, flag, default)
+        if value != default:
+            raise ValueError(
+                f"{cls}: {flag}={value!r} (a transformers experts option) has no moemlp equivalent; "
+                f"use experts_implementation='grouped_mm', or register(fallback='grouped_mm')"
+            )
     has_gate = bool(getattr(module, "has_gate", True))
     fc1_name = "gate_up_proj" if has_gate else "up_proj"
     transposed = bool(getattr(module, "is_transposed", False))
@@ -145,6 +164,13 @@ def _gate_candidates(module, has_gate: bool) -> list[tuple[str, tuple[tuple[str,
             candidates.append(("clamped_swiglu", (("limit", limit), ("alpha", alpha), ("offset", 1.0))))
         # clamped SiLU gate times clamped up (GLM-5, HY-V4, DeepSeek-V4): α = 1, no +1.
         candidates.append(("clamped_swiglu", (("limit", limit), ("alpha", 1.0), ("offset", 0.0))))
+    # Softcapped SwiGLU (Inkling2): β1·tanh(a/β1)·σ(a) · β2·tanh(b/β2), the caps on act_fn's
+    # gate_softcap / up_softcap submodules.
+    act = getattr(module, "act_fn", None)
+    beta1 = _number_attr(getattr(act, "gate_softcap", None), ("softcap",))
+    beta2 = _number_attr(getattr(act, "up_softcap", None), ("softcap",))
+    if beta1 is not None and beta2 is not None and beta1 > 0 and beta2 > 0:
+        candidates.append(("situglu", (("beta1", beta1), ("beta2", beta2))))
     return candidates
 
 
@@ -214,9 +240,12 @@ def _signature(module) -> tuple:
         getattr(module, "is_transposed", False),
         getattr(module, "is_concatenated", True),
         getattr(module, "has_bias", False),
+        tuple(getattr(module, flag, default) for flag, default in _OTHER_FLAGS.items()),
         getattr(type(module), "_apply_gate", None),
         id(getattr(module, "act_fn", None)),
         tuple(getattr(module, a, None) for a in _LIMIT_ATTRS + _ALPHA_ATTRS),
+        tuple(getattr(getattr(getattr(module, "act_fn", None), cap, None), "softcap", None)
+              for cap in ("gate_softcap", "up_softcap")),
     )
 
 
