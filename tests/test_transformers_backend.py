@@ -169,8 +169,7 @@ def test_float64_matches_eager(family, monkeypatch):
         assert (m.activation, m.glu_interleave, m.transposed, m.has_bias) == ("swiglu", None, False, False)
 
 
-_LOW = [("qwen3_moe", torch.float32), ("mixtral", torch.float32), ("deepseek_v3", torch.float32),
-        ("gpt_oss", torch.float32), ("qwen3_moe", torch.bfloat16), ("gpt_oss", torch.bfloat16)]
+_LOW = [(f, d) for d in (torch.float32, torch.bfloat16) for f in FAMILIES]
 
 
 @pytest.mark.parametrize("family,dtype", _LOW, ids=[f"{f}-{str(d)[6:]}" for f, d in _LOW])
