@@ -108,12 +108,13 @@ def _logits_and_grads(model, implementation: str):
     """Logits (float64) and {name: grad (float64)} of a cross-entropy loss."""
     model.set_experts_implementation(implementation)
     model.zero_grad(set_to_none=True)
-    ids, labels = _batch()
+    ids, labels = (t.to(model.device) for t in _batch())
     logits = model(ids).logits
     loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
     loss.backward()
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).double() for n, p in model.named_parameters()}
-    return logits.detach().double(), grads
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).double().cpu()
+             for n, p in model.named_parameters()}
+    return logits.detach().double().cpu(), grads
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -184,6 +185,35 @@ def test_low_precision_within_2x_of_eager(family, dtype):
     assert _rel(logits, ref_logits) <= 2 * _rel(eager_logits, ref_logits) + unit
     for name, g in grads.items():
         assert _rel(g, ref_grads[name]) <= 2 * _rel(eager_grads[name], ref_grads[name]) + unit, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_gpu_bf16_within_2x_of_eager_and_sync_free(family):
+    """On CUDA (Triton kernels and gathers), bf16: the 2x rule against the CPU float64 eager model
+    for logits and every gradient; and the backend's forward + backward issue no host sync."""
+    ref_logits, ref_grads = _fp64_eager(family)
+    model = _model(family, torch.bfloat16).cuda()
+    eager_logits, eager_grads = _logits_and_grads(model, "eager")
+    logits, grads = _logits_and_grads(model, "moemlp")
+    unit = torch.finfo(torch.bfloat16).eps / 2
+    assert _rel(logits, ref_logits) <= 2 * _rel(eager_logits, ref_logits) + unit
+    for name, g in grads.items():
+        assert _rel(g, ref_grads[name]) <= 2 * _rel(eager_grads[name], ref_grads[name]) + unit, name
+    experts = model.model.layers[0].mlp.experts
+    index, weights = _routing(256, 2, experts.gate_up_proj.shape[0])
+    index, weights = index.cuda(), weights.float().cuda().requires_grad_(True)
+    x = torch.randn(256, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    leaves = [x, weights, *experts.parameters()]
+    y = mh.experts_forward(experts, x, index, weights)  # resolves the module, compiles the kernels
+    torch.autograd.grad(y, leaves, torch.ones_like(y))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = mh.experts_forward(experts, x, index, weights)
+        torch.autograd.grad(y, leaves, torch.ones_like(y))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def _train(family: str, dtype: torch.dtype, implementation: str, steps: int = 6) -> list[float]:
