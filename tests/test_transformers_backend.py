@@ -553,3 +553,31 @@ def test_unmapped_experts_option_raises(monkeypatch):
         mh.resolve_experts(experts)
     experts.has_post_expert_norm = False
     assert mh.resolve_experts(experts).activation == "swiglu"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_recipe_reaches_grouped_mlp(family):
+    """register(recipe=...) runs the experts under that recipe: the same bits as dispatching by
+    hand and calling grouped_mlp with the mapping and the recipe (and not the bf16 result)."""
+    from moemlp.moe.dispatch import permute, permute_probs, plan_dispatch, unpermute
+
+    fn = mh.register("moemlp_fp8_block", recipe="fp8_block")
+    experts = _experts(family, torch.bfloat16)
+    m = mh.resolve_experts(experts)
+    E = experts.gate_up_proj.shape[0]
+    x = torch.randn(40, HIDDEN, dtype=torch.bfloat16)
+    index, weights = _routing(40, 2, E)
+    weights = weights.float()
+    y = fn(experts, x, index, weights)
+
+    w1, w2 = experts.gate_up_proj, experts.down_proj
+    if m.transposed:
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    b1 = experts.gate_up_proj_bias if m.has_bias else None
+    b2 = experts.down_proj_bias if m.has_bias else None
+    plan = plan_dispatch(index, E)
+    rows = grouped_mlp(permute(x, plan), plan.splits, permute_probs(weights, plan), w1, w2, b1, b2,
+                       activation=m.activation, activation_params=dict(m.activation_params),
+                       glu_interleave=m.glu_interleave, scale_fc2_bias=True, recipe="fp8_block")
+    torch.testing.assert_close(y, unpermute(rows, plan), rtol=0, atol=0)
+    assert not torch.equal(y, mh.experts_forward(experts, x, index, weights))
