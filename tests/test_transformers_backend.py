@@ -1,0 +1,583 @@
+"""moemlp.integrations.transformers: tiny models of each mapped family (random weights built from
+their configs, no download) run with experts_implementation="moemlp" against the same model's own
+"eager" experts, logits and every parameter's gradient; a few training steps; the backend's edge
+cases (dense (tokens, E) weights, expert-parallel sentinel slots, unmappable gates, dtypes).
+
+References and tolerances:
+- float64: the model in float64, eager vs moemlp (float64 experts get float64 routing weights):
+  only the order of operations differs, unit roundoff 1.1e-16 times the tiny network's gain, so
+  every output and gradient within 1e-12 relative (a wrong gate, layout or bias scaling shows at
+  1e-3 or more).
+- float32 / bfloat16: error against the float64 eager model, within 2x the error of the model's own
+  eager path in the same dtype (quack's idiom), plus one unit roundoff of the dtype for tensors the
+  eager path happens to reproduce almost exactly.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", minversion="5.7.0")
+mh = pytest.importorskip("moemlp.integrations.transformers")
+
+from transformers.activations import ACT2FN  # noqa: E402
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation  # noqa: E402
+
+from moemlp import grouped_mlp  # noqa: E402
+
+VOCAB, HIDDEN, SEQ, BATCH = 64, 32, 12, 2
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def _init_scaled(model, experts_std: float, bias_std: float = 0.0) -> None:
+    """Weights large enough that the expert block matters next to the residual (the default 0.02
+    leaves it ~1e-3 of the logits) and, for gpt-oss, that the clamps at ±7 engage."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                continue
+            if ".experts." in name:
+                std = bias_std if name.endswith("_bias") else experts_std
+            else:
+                std = 0.1
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * std)
+
+
+# id -> (config class, config kwargs, model class, experts weight std, experts bias std)
+FAMILIES = {
+    # Qwen3-MoE: SwiGLU, [gate | up] halves, (tokens, k) softmax top-k weights
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=64, moe_intermediate_size=16, head_dim=8,
+                                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                         decoder_sparse_step=1, mlp_only_layers=[]),
+                  "Qwen3MoeForCausalLM", 0.3, 0.0),
+    # Qwen2-MoE: SwiGLU experts beside a gated shared expert, top-k weights not renormalized
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=64, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[]),
+                  "Qwen2MoeForCausalLM", 0.3, 0.0),
+    # Mixtral: SwiGLU, 4 experts, top-2
+    "mixtral": ("MixtralConfig", dict(intermediate_size=16, head_dim=8, num_local_experts=4,
+                                      num_experts_per_tok=2),
+                "MixtralForCausalLM", 0.3, 0.0),
+    # OLMoE: SwiGLU, 8 experts, top-2
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=16, num_experts=8, num_experts_per_tok=2),
+              "OlmoeForCausalLM", 0.3, 0.0),
+    # DeepSeek-V3: sigmoid group-limited routing with scaling factor 2.5, shared expert, MLA attention
+    "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8,
+                                             num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                                             first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16,
+                                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                             num_key_value_heads=4),  # MLA: as many kv heads as heads
+                    "DeepseekV3ForCausalLM", 0.3, 0.0),
+    # gpt-oss: clamped SwiGLU (limit 7, alpha 1.702, up + 1), gate/up interleaved column by column,
+    # transposed (E, H, 2F) / (E, F, H) weights, both biases
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=16, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                     layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+                "GptOssForCausalLM", 1.5, 0.5),
+}
+
+
+def _model(family: str, dtype: torch.dtype):
+    cfg_name, kw, model_name, w_std, b_std = FAMILIES[family]
+    cfg = getattr(transformers, cfg_name)(**{**_COMMON, **kw})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(cfg)
+    _init_scaled(model, w_std, b_std)
+    return model.to(dtype)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    mh.register()
+
+
+def _batch():
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return ids, labels
+
+
+def _logits_and_grads(model, implementation: str):
+    """Logits (float64) and {name: grad (float64)} of a cross-entropy loss."""
+    model.set_experts_implementation(implementation)
+    model.zero_grad(set_to_none=True)
+    ids, labels = (t.to(model.device) for t in _batch())
+    logits = model(ids).logits
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
+    loss.backward()
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).double().cpu()
+             for n, p in model.named_parameters()}
+    return logits.detach().double().cpu(), grads
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.detach(), ref.detach()
+    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+_FP64 = {}
+
+
+def _fp64_eager(family: str):
+    if family not in _FP64:
+        _FP64[family] = _logits_and_grads(_model(family, torch.float64), "eager")
+    return _FP64[family]
+
+
+def _experts_inputs_reach_clamp(model) -> float:
+    """Fraction of layer-0 gate pre-activations of gpt-oss past the clamp limit."""
+    seen = {}
+    experts = model.model.layers[0].mlp.experts
+    hook = experts.register_forward_pre_hook(lambda m, args: seen.update(x=args[0].detach()))
+    with torch.no_grad():
+        model(_batch()[0])
+    hook.remove()
+    h = seen["x"] @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
+    return float((h[:, ::2] > experts.limit).double().mean())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_float64_matches_eager(family, monkeypatch):
+    """moemlp on the float64 model reproduces the eager experts: logits and every gradient."""
+    model = _model(family, torch.float64)
+    ref_logits, ref_grads = _fp64_eager(family)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["activation"])
+        return grouped_mlp(*args, **kwargs)
+
+    monkeypatch.setattr(mh, "grouped_mlp", counted)
+    logits, grads = _logits_and_grads(model, "moemlp")
+    assert len(calls) == 2  # one grouped_mlp per MoE layer: the experts ran on moemlp
+    assert _rel(logits, ref_logits) <= 1e-12
+    for name, g in grads.items():
+        assert _rel(g, ref_grads[name]) <= 1e-12, name
+    # the mapping was the family's own (not a coincidence of a benign probe)
+    m = mh.resolve_experts(model.model.layers[0].mlp.experts)
+    if family == "gpt_oss":
+        assert (m.activation, m.glu_interleave, m.transposed, m.has_bias) == ("clamped_swiglu", 1, True, True)
+        assert dict(m.activation_params) == {"limit": 7.0, "alpha": 1.702, "offset": 1.0}
+        assert _experts_inputs_reach_clamp(model) > 0.05  # the clamp branch is exercised
+    else:
+        assert (m.activation, m.glu_interleave, m.transposed, m.has_bias) == ("swiglu", None, False, False)
+
+
+_LOW = [(f, d) for d in (torch.float32, torch.bfloat16) for f in FAMILIES]
+
+
+@pytest.mark.parametrize("family,dtype", _LOW, ids=[f"{f}-{str(d)[6:]}" for f, d in _LOW])
+def test_low_precision_within_2x_of_eager(family, dtype):
+    """In fp32 / bf16 moemlp's error against the float64 eager model is within 2x the eager path's."""
+    ref_logits, ref_grads = _fp64_eager(family)
+    model = _model(family, dtype)
+    eager_logits, eager_grads = _logits_and_grads(model, "eager")
+    logits, grads = _logits_and_grads(model, "moemlp")
+    assert logits.dtype == torch.float64  # compared in float64
+    unit = torch.finfo(dtype).eps / 2
+    assert _rel(logits, ref_logits) <= 2 * _rel(eager_logits, ref_logits) + unit
+    for name, g in grads.items():
+        assert _rel(g, ref_grads[name]) <= 2 * _rel(eager_grads[name], ref_grads[name]) + unit, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_gpu_bf16_within_2x_of_eager_and_sync_free(family):
+    """On CUDA (Triton kernels and gathers), bf16: the 2x rule against the CPU float64 eager model
+    for logits and every gradient; and the backend's forward + backward issue no host sync."""
+    ref_logits, ref_grads = _fp64_eager(family)
+    model = _model(family, torch.bfloat16).cuda()
+    eager_logits, eager_grads = _logits_and_grads(model, "eager")
+    logits, grads = _logits_and_grads(model, "moemlp")
+    unit = torch.finfo(torch.bfloat16).eps / 2
+    assert _rel(logits, ref_logits) <= 2 * _rel(eager_logits, ref_logits) + unit
+    for name, g in grads.items():
+        assert _rel(g, ref_grads[name]) <= 2 * _rel(eager_grads[name], ref_grads[name]) + unit, name
+    experts = model.model.layers[0].mlp.experts
+    index, weights = _routing(256, 2, experts.gate_up_proj.shape[0])
+    index, weights = index.cuda(), weights.float().cuda().requires_grad_(True)
+    x = torch.randn(256, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    leaves = [x, weights, *experts.parameters()]
+    y = mh.experts_forward(experts, x, index, weights)  # resolves the module, compiles the kernels
+    torch.autograd.grad(y, leaves, torch.ones_like(y))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = mh.experts_forward(experts, x, index, weights)
+        torch.autograd.grad(y, leaves, torch.ones_like(y))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _train(family: str, dtype: torch.dtype, implementation: str, steps: int = 6) -> list[float]:
+    model = _model(family, dtype)
+    model.set_experts_implementation(implementation)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids, labels = _batch()
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        logits = model(ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_training_loss_falls(family):
+    """A few AdamW steps through the moemlp backend: the loss falls, and the fp32 trajectory stays
+    within 2x of the eager fp32 trajectory's distance from the float64 one."""
+    ref = _train(family, torch.float64, "eager")
+    eager = _train(family, torch.float32, "eager")
+    ours = _train(family, torch.float32, "moemlp")
+    assert ours[-1] < 0.8 * ours[0]
+    dist_eager = max(abs(a - r) / r for a, r in zip(eager, ref))
+    dist_ours = max(abs(a - r) / r for a, r in zip(ours, ref))
+    assert dist_ours <= 2 * dist_eager + torch.finfo(torch.float32).eps
+
+
+# --- the backend called directly on one experts module ---------------------------------------------
+
+
+def _experts(family: str, dtype=torch.float64):
+    return _model(family, dtype).model.layers[0].mlp.experts
+
+
+def _routing(tokens: int, k: int, num_experts: int, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    index = torch.rand(tokens, num_experts, generator=g).topk(k, dim=1).indices
+    weights = torch.rand(tokens, k, generator=g, dtype=torch.float64)
+    return index, weights
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_dense_weights_form(family):
+    """(tokens, E) weights, as DeepSeek-style routers pass them in transformers 5.0-5.6, give the
+    same outputs and gradients as the (tokens, k) weights they hold."""
+    experts = _experts(family)
+    E = experts.gate_up_proj.shape[0]
+    x = torch.randn(10, HIDDEN, dtype=torch.float64, requires_grad=True)
+    index, weights = _routing(10, 2, E)
+    dense = torch.zeros(10, E, dtype=torch.float64).scatter(1, index, weights).requires_grad_(True)
+    sparse = dense.detach().gather(1, index).requires_grad_(True)
+    y_dense = mh.experts_forward(experts, x, index, dense)
+    y_sparse = mh.experts_forward(experts, x, index, sparse)
+    torch.testing.assert_close(y_dense, y_sparse, rtol=0, atol=0)
+    dy = torch.randn_like(y_dense)
+    (g_dense,) = torch.autograd.grad(y_dense, dense, dy)
+    (g_sparse,) = torch.autograd.grad(y_sparse, sparse, dy)
+    torch.testing.assert_close(g_dense.gather(1, index), g_sparse, rtol=0, atol=0)
+    unselected = torch.ones_like(dense, dtype=torch.bool).scatter(1, index, False)
+    assert bool((g_dense[unselected] == 0).all())  # experts a token did not pick get no gradient
+
+
+def test_sentinel_slots_add_nothing():
+    """Slots whose index is >= E (transformers' expert-parallel sentinels) contribute exactly what a
+    zero-weight slot does, and their weights get no gradient."""
+    experts = _experts("gpt_oss")  # biases: a sentinel row must not add b2 either
+    E = experts.gate_up_proj.shape[0]
+    x = torch.randn(9, HIDDEN, dtype=torch.float64)
+    index, weights = _routing(9, 2, E)
+    sentinel = index.clone()
+    sentinel[::3, 1] = E  # every third token's second slot lives on another rank
+    zeroed = weights.clone()
+    zeroed[::3, 1] = 0.0
+    w = weights.clone().requires_grad_(True)
+    y = mh.experts_forward(experts, x, sentinel, w)
+    torch.testing.assert_close(y, mh.experts_forward(experts, x, index, zeroed), rtol=0, atol=0)
+    (gw,) = torch.autograd.grad(y, w, torch.randn_like(y))
+    assert bool((gw[::3, 1] == 0).all())
+
+
+def test_matches_transformers_grouped_mm_and_batched_mm():
+    """The registered function against transformers' own non-eager backends on gpt-oss experts:
+    batched_mm in float64 (op order only, as the float64 model tests), grouped_mm in fp32 (torch's
+    grouped GEMM has no float64 kernel) by the 2x rule against the float64 batched_mm."""
+    experts = _experts("gpt_oss")
+    x = torch.randn(11, HIDDEN, dtype=torch.float64)
+    index, weights = _routing(11, 2, experts.gate_up_proj.shape[0])
+    ref = ALL_EXPERTS_FUNCTIONS["batched_mm"](experts, x, index, weights)
+    assert _rel(mh.experts_forward(experts, x, index, weights), ref) <= 1e-12
+    experts32 = experts.float()
+    x32, w32 = x.float(), weights.float()
+    ours = mh.experts_forward(experts32, x32, index, w32).double()
+    theirs = ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts32, x32, index, w32).double()
+    assert _rel(ours, ref) <= 2 * _rel(theirs, ref) + torch.finfo(torch.float32).eps / 2
+
+
+def test_dtypes_follow_the_experts():
+    """bf16 experts with fp32 hidden states compute in bf16 (the experts' dtype, as grouped_mm does)
+    and return fp32; bf16 routing weights are used exactly (upcast to fp32)."""
+    experts = _experts("qwen3_moe", torch.bfloat16)
+    x = torch.randn(8, HIDDEN)
+    index, weights = _routing(8, 2, 8)
+    w = weights.to(torch.bfloat16)
+    y = mh.experts_forward(experts, x, index, w)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, mh.experts_forward(experts, x.bfloat16(), index, w.float()).float(), rtol=0, atol=0)
+
+
+@use_experts_implementation(has_gate=False)
+class _UnaryExperts(torch.nn.Module):
+    """A gate-less experts module (NemotronH's layout): up_proj (E, F, H), down_proj (E, H, F)."""
+
+    def __init__(self, config):
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        self.num_experts = 5
+        self.up_proj = torch.nn.Parameter(torch.randn(5, 16, HIDDEN, generator=g, dtype=torch.float64) * 0.3)
+        self.down_proj = torch.nn.Parameter(torch.randn(5, HIDDEN, 16, generator=g, dtype=torch.float64) * 0.3)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        raise AssertionError("the test selects a registered backend")
+
+
+@pytest.mark.parametrize("act,expected", [("relu2", "srelu"), ("gelu_pytorch_tanh", "gelu")])
+def test_unary_experts(act, expected):
+    config = transformers.PretrainedConfig(hidden_act=act)
+    experts = _UnaryExperts(config)
+    assert mh.resolve_experts(experts).activation == expected
+    x = torch.randn(7, HIDDEN, dtype=torch.float64, requires_grad=True)
+    index, weights = _routing(7, 2, 5)
+    y = mh.experts_forward(experts, x, index, weights)
+    ref = ALL_EXPERTS_FUNCTIONS["batched_mm"](experts, x, index, weights)
+    assert _rel(y, ref) <= 1e-12
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, experts.up_proj, experts.down_proj], dy)
+    want = torch.autograd.grad(ref, [x, experts.up_proj, experts.down_proj], dy)
+    for a, b in zip(got, want):
+        assert _rel(a, b) <= 1e-12
+
+
+def test_unmappable_gate_raises_or_falls_back():
+    """Exact-erf GELU has no moemlp activation (moemlp's geglu is the tanh form): an error naming the
+    module, or with fallback= the named transformers backend, with a warning."""
+    cfg_name, kw, _, _, _ = FAMILIES["qwen3_moe"]
+    cfg = getattr(transformers, cfg_name)(**_COMMON, **{**kw, "hidden_act": "gelu"})
+    model = transformers.Qwen3MoeForCausalLM(cfg)  # fp32: grouped_mm has no float64 CPU kernel
+    experts = model.model.layers[0].mlp.experts
+    with pytest.raises(ValueError, match="Qwen3MoeExperts.*matches no moemlp activation"):
+        mh.resolve_experts(experts)
+    x = torch.randn(6, HIDDEN)
+    index, weights = _routing(6, 2, 8)
+    weights = weights.float()
+    with pytest.raises(ValueError, match="Qwen3MoeExperts"):
+        mh.experts_forward(experts, x, index, weights)
+    fn = mh.register("moemlp_or_grouped_mm", fallback="grouped_mm")
+    with pytest.warns(UserWarning, match="grouped_mm"):
+        y = fn(experts, x, index, weights)
+    torch.testing.assert_close(y, ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, x, index, weights), rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per module class
+        fn(experts, x, index, weights)
+
+
+def test_register_validates():
+    with pytest.raises(ValueError, match="name"):
+        mh.register("grouped_mm")
+    with pytest.raises(TypeError, match="name"):
+        mh.register("")
+    with pytest.raises(ValueError, match="backend"):
+        mh.register("moemlp_x", backend="cuda")
+    with pytest.raises(ValueError, match="fallback"):
+        mh.register("moemlp_x", fallback="moemlp_x")
+    with pytest.raises(ValueError, match="recipe"):
+        mh.register("moemlp_x", recipe="fp4")
+    assert "moemlp" in ALL_EXPERTS_FUNCTIONS
+
+
+def test_routing_inputs_validated():
+    experts = _experts("qwen3_moe")
+    x = torch.randn(6, HIDDEN, dtype=torch.float64)
+    index, weights = _routing(6, 2, 8)
+    with pytest.raises(ValueError, match="top_k_weights"):
+        mh.experts_forward(experts, x, index, weights[:, :1])
+    with pytest.raises(TypeError, match="top_k_index"):
+        mh.experts_forward(experts, x, index.double(), weights)
+    with pytest.raises(ValueError, match="hidden_states"):
+        mh.experts_forward(experts, x[:, :-1], index, weights)
+
+
+def test_hf_bench_smoke(tmp_path):
+    """``python -m moemlp bench --hf`` on its CPU configs: both backends timed, and the MoE block's
+    bf16 outputs agree with grouped_mm's within bf16 rounding of a two-GEMM block (2e-2, the bound
+    bench/mlp.py checks before timing)."""
+    import argparse
+
+    from moemlp.bench.hf import CPU_MODELS, run_hf_bench
+
+    rows = run_hf_bench(argparse.Namespace(device="cpu", backend="auto", out=str(tmp_path), rep_ms=1))
+    assert [(r["model"], r["experts_impl"]) for r in rows] == [
+        (m.name, impl) for m in CPU_MODELS for impl in ("moemlp", "grouped_mm")
+    ]
+    for r in rows:
+        assert r["moe_block_ms"] > 0 and r["model_ms"] > 0
+        assert r["rel_diff_block_out"] < 2e-2
+    assert (tmp_path / "hf_bench.csv").exists()
+
+
+def test_mapping_cache_lets_modules_go():
+    """The per-module mapping cache holds modules weakly, also when their mapping failed."""
+    import gc
+    import weakref
+
+    experts = _UnaryExperts(transformers.PretrainedConfig(hidden_act="gelu"))  # erf GELU: no mapping
+    with pytest.raises(ValueError, match="_UnaryExperts"):
+        mh.resolve_experts(experts)
+    alive = weakref.ref(experts)
+    del experts
+    gc.collect()
+    assert alive() is None
+
+
+def test_prepare_and_compile_fullgraph():
+    """prepare() maps every experts module up front; the backend then traces under
+    torch.compile(fullgraph=True) (dynamo; the grouped MLP is a custom op) and gives the eager
+    call's outputs. Without prepare the trace stops with an error that says to call it."""
+    model = _model("gpt_oss", torch.float32)
+    fresh = model.model.layers[1].mlp.experts
+    x = torch.randn(10, HIDDEN)
+    index, weights = _routing(10, 2, 4)
+    weights = weights.float()
+    traced = torch.compile(lambda e, *a: mh.experts_forward(e, *a), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="prepare"):
+        traced(fresh, x, index, weights)
+    mappings = mh.prepare(model)
+    assert sorted(mappings) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert {m.activation for m in mappings.values()} == {"clamped_swiglu"}
+    torch.testing.assert_close(traced(fresh, x, index, weights), mh.experts_forward(fresh, x, index, weights),
+                               rtol=0, atol=0)
+
+
+def test_prepare_strict():
+    cfg_name, kw, _, _, _ = FAMILIES["olmoe"]
+    model = transformers.OlmoeForCausalLM(getattr(transformers, cfg_name)(**{**_COMMON, **kw, "hidden_act": "gelu"}))
+    with pytest.raises(ValueError, match=r"model\.model\.layers\.0\.mlp\.experts: OlmoeExperts"):
+        mh.prepare(model)
+    assert mh.prepare(model, strict=False) == {}
+
+
+# A superset of the config fields the installed experts classes read, at tiny sizes.
+_GENERIC_EXPERTS_CONFIG = dict(
+    num_local_experts=4, n_routed_experts=4, num_experts=4, moe_num_experts=4, num_experts_per_tok=2,
+    hidden_size=HIDDEN, intermediate_size=16, moe_intermediate_size=16, expert_intermediate_size=16,
+    moe_ffn_hidden_size=16, moe_latent_size=None, mlp_bias=False, hidden_act="silu", mlp_hidden_act="relu2",
+    hidden_activation="gelu_pytorch_tanh", swiglu_limit=7.0, swiglu_alpha=1.702, mlp_gate_softcap=4.0,
+    mlp_up_softcap=25.0, moe_hidden_size=HIDDEN, post_norm_eps=1e-6,
+)
+
+
+def _installed_experts_classes():
+    import importlib
+    import inspect
+    import os
+    import pkgutil
+
+    import transformers.models as models
+
+    for info in sorted(pkgutil.iter_modules(models.__path__), key=lambda m: m.name):
+        path = os.path.join(models.__path__[0], info.name, f"modeling_{info.name}.py")
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            if "use_experts_implementation" not in f.read():
+                continue
+        module = importlib.import_module(f"transformers.models.{info.name}.modeling_{info.name}")
+        for name, cls in vars(module).items():
+            if inspect.isclass(cls) and cls.__module__ == module.__name__ and "Experts" in name \
+                    and hasattr(cls, "_apply_gate"):
+                yield cls
+
+
+def test_every_installed_experts_class_matches_batched_mm():
+    """Every experts class of the installed transformers (56 in 5.17), built at tiny size with
+    random float64 weights: moemlp gives transformers' batched_mm outputs and gradients (input and
+    every parameter) to float64 op-order rounding (1e-12), or raises the ValueError naming the class.
+    A gate that computes in fp32 inside (Inkling2's) makes the reference itself carry fp32
+    rounding (relative 2^-24 per element): 1e-6 for those. Classes with an experts option moemlp
+    does not implement (5.24: has_post_expert_norm) must be the ones that raise."""
+    mismatched, unmapped, refused, built = [], [], [], 0
+    for cls in _installed_experts_classes():
+        experts = cls(transformers.PretrainedConfig(**_GENERIC_EXPERTS_CONFIG)).double()
+        built += 1
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in experts.parameters():  # std 1: the gpt-oss style clamps at 7 engage
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+        x = torch.randn(9, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
+        index, weights = _routing(9, 2, 4)
+        if getattr(experts, "has_post_expert_norm", False):
+            refused.append(cls.__name__)
+        try:
+            mapping = mh.resolve_experts(experts)
+        except ValueError as e:
+            assert cls.__name__ in str(e)
+            unmapped.append(cls.__name__)
+            continue
+        with torch.no_grad():
+            h = torch.randn(4, experts.down_proj.shape[2 if not mapping.transposed else 1] * (
+                2 if mapping.fc1_name == "gate_up_proj" else 1), generator=g, dtype=torch.float64)
+            a = experts._apply_gate(h) if mapping.fc1_name == "gate_up_proj" else experts.act_fn(h)
+        tol = 1e-6 if bool((a.float().double() == a).all()) else 1e-12  # fp32 inside the gate
+        y = mh.experts_forward(experts, x, index, weights)
+        ref = ALL_EXPERTS_FUNCTIONS["batched_mm"](experts, x, index, weights)
+        leaves = [x, *experts.parameters()]
+        dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
+        errs = [_rel(y, ref)] + [_rel(a, b) for a, b in zip(torch.autograd.grad(y, leaves, dy),
+                                                            torch.autograd.grad(ref, leaves, dy))]
+        if max(errs) > tol:
+            mismatched.append((cls.__name__, max(errs)))
+    assert built >= 20  # the discovery found the interface's classes (27 in 5.7, 56 in 5.17)
+    assert mismatched == []
+    # with hidden_act="silu" every installed gate has a moemlp activation
+    assert unmapped == refused
+
+
+def test_unmapped_experts_option_raises(monkeypatch):
+    """An option of use_experts_implementation that moemlp does not implement, set on a module,
+    is refused by name (as has_post_expert_norm=True is in transformers 5.24)."""
+    experts = _experts("qwen3_moe")
+    monkeypatch.setitem(mh._OTHER_FLAGS, "has_post_expert_norm", False)
+    experts.has_post_expert_norm = True
+    with pytest.raises(ValueError, match="Qwen3MoeExperts: has_post_expert_norm=True"):
+        mh.resolve_experts(experts)
+    experts.has_post_expert_norm = False
+    assert mh.resolve_experts(experts).activation == "swiglu"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_recipe_reaches_grouped_mlp(family):
+    """register(recipe=...) runs the experts under that recipe: the same bits as dispatching by
+    hand and calling grouped_mlp with the mapping and the recipe (and not the bf16 result)."""
+    from moemlp.moe.dispatch import permute, permute_probs, plan_dispatch, unpermute
+
+    fn = mh.register("moemlp_fp8_block", recipe="fp8_block")
+    experts = _experts(family, torch.bfloat16)
+    m = mh.resolve_experts(experts)
+    E = experts.gate_up_proj.shape[0]
+    x = torch.randn(40, HIDDEN, dtype=torch.bfloat16)
+    index, weights = _routing(40, 2, E)
+    weights = weights.float()
+    y = fn(experts, x, index, weights)
+
+    w1, w2 = experts.gate_up_proj, experts.down_proj
+    if m.transposed:
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    b1 = experts.gate_up_proj_bias if m.has_bias else None
+    b2 = experts.down_proj_bias if m.has_bias else None
+    plan = plan_dispatch(index, E)
+    rows = grouped_mlp(permute(x, plan), plan.splits, permute_probs(weights, plan), w1, w2, b1, b2,
+                       activation=m.activation, activation_params=dict(m.activation_params),
+                       glu_interleave=m.glu_interleave, scale_fc2_bias=True, recipe="fp8_block")
+    torch.testing.assert_close(y, unpermute(rows, plan), rtol=0, atol=0)
+    assert not torch.equal(y, mh.experts_forward(experts, x, index, weights))
