@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="time moemlp against the torch compositions users run")
     b.add_argument("--moe", action="store_true", help="benchmark the whole MoE layer instead")
     b.add_argument("--recipes", action="store_true", help="fp8_block, mxfp8 and nvfp4 beside the bf16 path")
+    b.add_argument("--hf", action="store_true",
+                   help="a transformers decoder layer and model: the 'moemlp' experts backend against 'grouped_mm'")
     b.add_argument("--peers", type=_peers, default=DEFAULT_PEERS,
                    help="comma-separated: lean (the _grouped_mm composition users write), compiled (it under "
                         "torch.compile), te (three unfused ops as TransformerEngine on Hopper); default lean,compiled")
@@ -74,6 +76,11 @@ def main(argv=None) -> int:
             from .bench.moe import run_moe_bench
 
             run_moe_bench(args)
+            return 0
+        if args.hf:
+            from .bench.hf import run_hf_bench
+
+            run_hf_bench(args)
             return 0
         if args.recipes:
             from .bench.recipes import run_recipe_bench
