@@ -162,8 +162,8 @@ def test_segment_sum_kernel_matches_torch_bitwise(dtype):
     M, T, Hw = 120, 9, 1030
     idx = torch.randint(0, T, (M,), generator=g)
     idx[:37] = 4
-    src = (torch.randn(M, Hw, generator=g, dtype=torch.float64) * torch.logspace(-6, 6, M, dtype=torch.float64)[:, None])
-    src = src.to(dtype)
+    scale = torch.logspace(-6, 6, M, dtype=torch.float64)[:, None]  # 12 decades: the sum's order shows
+    src = (torch.randn(M, Hw, generator=g, dtype=torch.float64) * scale).to(dtype)
     splits = torch.tensor([M - 5])  # 5 capacity rows, left out of every sum
     order, offsets = _x_index.token_order(idx, splits, T)
     from moemlp.moe import _kernels
