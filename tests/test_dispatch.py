@@ -109,9 +109,9 @@ def test_local_forward_equals_per_expert_loop():
     probs = torch.rand(T, k, generator=g, dtype=torch.float64, requires_grad=True)
     scale = torch.randn(E, H, generator=g, dtype=torch.float64)  # expert e: row ↦ p · tanh(row) · scale[e]
 
-    def experts(x_perm, splits, p_perm):
+    def experts(x_tokens, splits, p_perm, x_index):  # gathers its rows from the tokens, as grouped_mlp
         e_of_row = torch.repeat_interleave(torch.arange(E), splits)
-        return torch.tanh(x_perm) * scale[e_of_row] * p_perm[:, None]
+        return torch.tanh(x_tokens[x_index.index]) * scale[e_of_row] * p_perm[:, None]
 
     y, plan = dispatch.local_moe_forward(x, probs, idx, E, experts, triton=False)
     ref = torch.zeros(T, H, dtype=torch.float64)

@@ -14,6 +14,7 @@ from torch import Tensor
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SPLITS_DTYPES = (torch.int32, torch.int64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _tensor(name: str, t, ndim: int) -> Tensor:
@@ -52,17 +53,27 @@ def validate_inputs(
     glu_interleave: Optional[int],
     scale_fc2_bias,
     activation: str = "",
+    x_index=None,
 ) -> tuple[int, int, int, int]:
-    """Check every tensor argument; return (M, H, F, g) where g is the GLU block width.
+    """Check every tensor argument; return (M, H, F, g) where g is the GLU block width and M the
+    number of expert-input rows: x's rows, or x_index's length when given (x is then (T, H), any T).
 
-    The values of ``splits`` are checked separately (validate_split_values): that needs a host
-    read, which the Triton path never does for splits on the GPU.
+    The values of ``splits`` and ``x_index`` are checked separately (validate_split_values,
+    validate_index_values): that needs a host read, which the Triton path never does on the GPU.
     """
     x = _tensor("x", x, 2)
     if x.dtype not in _COMPUTE_DTYPES:
         raise TypeError(f"x: expected dtype bfloat16, float16, float32 or float64, got {x.dtype}")
     M, H = x.shape
     device = x.device
+    if x_index is not None:
+        x_index = _tensor("x_index", x_index, 1)
+        if x_index.dtype not in _INDEX_DTYPES:
+            raise TypeError(
+                f"x_index: expected dtype int32 or int64 (a row of x per expert-input row), got {x_index.dtype}"
+            )
+        _same_device("x_index", x_index, device)
+        M = x_index.shape[0]
 
     fc1_weight = _tensor("fc1_weight", fc1_weight, 3)
     fc2_weight = _tensor("fc2_weight", fc2_weight, 3)
@@ -127,6 +138,11 @@ def validate_inputs(
             )
         _same_device("probs", probs, device)
         if probs.shape[0] != M:
+            if x_index is not None:  # x_index sets M here; the two disagree
+                raise ValueError(
+                    f"x_index: expected shape ({probs.shape[0]},) (one row of x per expert-input row, as many "
+                    f"as probs has), got ({M},)"
+                )
             raise ValueError(f"probs: expected shape ({M},) (one per row of x), got {tuple(probs.shape)}")
 
     splits = _tensor("splits", splits, 1)
@@ -152,12 +168,27 @@ def validate_inputs(
     return M, H, F, g
 
 
-def validate_split_values(splits: Tensor, num_rows: int) -> None:
+def validate_split_values(splits: Tensor, num_rows: int, rows_of: str = "x") -> None:
     """Counts >= 0 and Σ <= M. Reads splits on the host: free for CPU splits; a synchronisation
-    for GPU splits, done only where the backend reads them on the host anyway (torch)."""
+    for GPU splits, done only where the backend reads them on the host anyway (torch).
+    ``rows_of``: what holds the M rows, for the message ("x", or "x_index" when rows are gathered)."""
     s = splits.detach().to("cpu", torch.int64)
     if bool((s < 0).any()):
         raise ValueError(f"splits: expected counts >= 0, got {s.tolist()}")
     total = int(s.sum())
     if total > num_rows:
-        raise ValueError(f"splits: the counts sum to {total}, past the {num_rows} rows of x")
+        raise ValueError(f"splits: the counts sum to {total}, past the {num_rows} rows of {rows_of}")
+
+
+def validate_index_values(x_index: Tensor, num_routed: int, num_tokens: int) -> None:
+    """x_index[:num_routed] in [0, T), T = x's rows; the capacity rows' indices are not read. A host
+    read of the routed indices, done where it costs no synchronisation (CPU) or where the backend
+    reads splits on the host anyway (torch); the Triton path clamps device indices instead."""
+    idx = x_index.detach()[:num_routed].to("cpu", torch.int64)
+    bad = ((idx < 0) | (idx >= num_tokens)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(
+            f"x_index: expected values in [0, {num_tokens}) (rows of x) for the {num_routed} routed rows "
+            f"(Σsplits), got {int(idx[i])} at row {i} ({bad.shape[0]} out of range)"
+        )

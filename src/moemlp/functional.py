@@ -16,7 +16,8 @@ from torch import Tensor
 
 from . import reference
 from ._config import MLPConfig
-from ._validate import validate_inputs, validate_split_values
+from ._validate import validate_index_values, validate_inputs, validate_split_values
+from ._x_index import RowIndex, gather_rows
 from .activations import ACTIVATIONS, resolve_activation
 
 __all__ = ["grouped_mlp"]
@@ -368,11 +369,13 @@ def grouped_mlp(
     recompute_fc1: bool = False,
     accumulate_into_main_grad: bool = False,
     quantized_weights=None,
+    x_index: Optional[Tensor] = None,
 ) -> Tensor:
     """The expert block of an MoE layer for all experts at once (SPEC §1).
 
     Args:
-        x: (M, H) bf16 / fp16 / fp32 (float64 on the torch backend); rows grouped by expert.
+        x: (M, H) bf16 / fp16 / fp32 (float64 on the torch backend); rows grouped by expert. With
+            ``x_index``: (T, H), any T >= 0, the tokens the rows are gathered from.
         splits: (E,) int32/int64 rows per expert, any device; rows past Σsplits are capacity
             padding (outputs and gradients 0). CPU splits are checked on the host; device splits
             are never read on the host by the Triton path (bad values are clamped, not raised).
@@ -403,6 +406,15 @@ def grouped_mlp(
             itself quantize again after the weights change. The torch backend (backend='torch', or
             'auto' where Triton cannot run) checks it and then ignores it: the reference quantizes
             the same unchanged weights to the same values.
+        x_index: None, or (M,) int32/int64 on x's device: row i of the expert input is
+            ``x[x_index[i]]``, so the caller need not materialise the permuted (M, H) rows. Rows are
+            still grouped by expert through ``splits``; capacity rows (past Σsplits) read no index.
+            dx has x's shape: dx[t] sums the rows that read token t, in ascending row order, in
+            fp32 (fp64 for fp64) with one rounding; no atomics, the same bits on every run. An index
+            out of [0, T) is a ValueError where it is checked without a device sync (CPU tensors, or
+            the torch backend, which reads splits on the host anyway); on the GPU the Triton path
+            clamps it into [0, T) instead, as it clamps device splits. Unfused for now: the rows
+            are gathered into an (M, H) tensor before FC1.
 
     Non-contiguous tensors are copied to contiguous ones once, here, before the ops run.
 
@@ -410,6 +422,9 @@ def grouped_mlp(
         y (M, H) in x.dtype.
     """
     spec, params = resolve_activation(activation, activation_params)
+    adjoint = None
+    if isinstance(x_index, RowIndex):  # the MoE layer's x_index, with its k-ordered adjoint
+        x_index, adjoint = x_index.index, (x_index.order, x_index.offsets)
     M, _, _, g = validate_inputs(
         x,
         splits,
@@ -422,6 +437,7 @@ def grouped_mlp(
         glu_interleave=glu_interleave,
         scale_fc2_bias=scale_fc2_bias,
         activation=spec.name,
+        x_index=x_index,
     )
     recipe_obj = None if recipe is None else _recipes().resolve_recipe(recipe)
     be = _resolve_backend(backend, x, recipe_obj)
@@ -429,7 +445,9 @@ def grouped_mlp(
     # inside its op (it reads them on the host anyway; under torch.compile a host read here would
     # be a data-dependent guard); the Triton path never reads device splits on the host.
     if splits.device.type == "cpu" and not torch.compiler.is_compiling():
-        validate_split_values(splits, M)
+        validate_split_values(splits, M, rows_of="x" if x_index is None else "x_index")
+        if x_index is not None and x_index.device.type == "cpu":
+            validate_index_values(x_index, int(splits.sum()), x.shape[0])
     for name, flag in (("recompute_fc1", recompute_fc1), ("accumulate_into_main_grad", accumulate_into_main_grad)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
@@ -459,8 +477,12 @@ def grouped_mlp(
             quantized = quantized_weights.tensors()
     if splits.device != x.device:
         splits = splits.to(x.device, non_blocking=True)
+    x = x.contiguous()
+    if x_index is not None:
+        # The gather runs where the MLP runs: Triton kernels on its Triton path, torch ops otherwise.
+        x = gather_rows(x, x_index, splits.contiguous(), adjoint, be == "triton")
     return _GroupedMLPFunction.apply(
-        x.contiguous(),
+        x,
         splits.contiguous(),
         probs.contiguous() if probs is not None else None,
         fc1_weight.contiguous(),

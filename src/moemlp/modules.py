@@ -114,9 +114,14 @@ class GroupedMLP(nn.Module):
                     b.zero_()
 
     def forward(
-        self, x: Tensor, splits: Tensor, probs: Optional[Tensor] = None, is_first_microbatch: Optional[bool] = None
+        self,
+        x: Tensor,
+        splits: Tensor,
+        probs: Optional[Tensor] = None,
+        is_first_microbatch: Optional[bool] = None,
+        x_index: Optional[Tensor] = None,
     ) -> Tensor:
-        """y = grouped_mlp(x, splits, probs, the module's weights and options).
+        """y = grouped_mlp(x, splits, probs, the module's weights and options, x_index=x_index).
 
         ``is_first_microbatch`` (TransformerEngine's semantics), under an fp8_block recipe:
         None: quantize the weights in this call, as always. True: quantize them now, keep the result
@@ -155,6 +160,7 @@ class GroupedMLP(nn.Module):
             recompute_fc1=self.recompute_fc1,
             accumulate_into_main_grad=self.accumulate_into_main_grad,
             quantized_weights=quantized,
+            x_index=x_index,
         )
 
     def _caches_weights(self) -> bool:

@@ -18,6 +18,11 @@ The k-sum runs in k order in fp32 (fp64 for fp64) with one rounding per output e
 combine is deterministic and the Triton kernels (_kernels.py) and the torch path agree bit for bit.
 The router probabilities travel beside the rows in fp32 (``permute_probs``) and are applied inside
 the grouped MLP, whose fp32 dprobs come back through the same bijection.
+
+On one device (``local_moe_forward``) the permute is not materialised: grouped_mlp gathers
+x[src_token[i]] itself (``x_index = row_index(plan)``) and sums dx over row_of in k order, the
+additions of permute's backward, so the results are the same bits. The expert-parallel path (ep.py)
+still permutes: its rows leave for other ranks.
 """
 
 from __future__ import annotations
@@ -29,11 +34,14 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from .._x_index import RowIndex
+
 __all__ = [
     "DispatchPlan",
     "plan_dispatch",
     "permute",
     "permute_probs",
+    "row_index",
     "unpermute",
     "shuffle_rows",
     "use_triton",
@@ -184,6 +192,15 @@ def permute_probs(probs: Tensor, plan: DispatchPlan) -> Tensor:
     return _Shuffle.apply(probs.reshape(-1), plan.perm, plan.row_of.reshape(-1), False)
 
 
+def row_index(plan: DispatchPlan) -> RowIndex:
+    """plan.src_token as grouped_mlp's ``x_index``, with the adjoint the plan already holds: row_of
+    lists each token's K rows in k order, so dx sums them in the order permute's backward does
+    (the same bits) and no sort runs."""
+    num_tokens, top_k = plan.row_of.shape
+    offsets = torch.arange(num_tokens + 1, device=plan.row_of.device, dtype=torch.int64) * top_k
+    return RowIndex(plan.src_token, plan.row_of.reshape(-1), offsets)
+
+
 def unpermute(y_perm: Tensor, plan: DispatchPlan, triton: bool = False) -> Tensor:
     """(T·K, H) expert outputs (already scaled by probs) -> (T, H), summed over k in k order."""
     return _Unpermute.apply(y_perm, plan.row_of, plan.src_token, triton)
@@ -194,7 +211,9 @@ def shuffle_rows(src: Tensor, index: Tensor, inverse: Tensor, triton: bool = Fal
     return _Shuffle.apply(src, index, inverse, triton)
 
 
-ExpertsFn = Callable[[Tensor, Tensor, Optional[Tensor]], Tensor]
+# experts(x, splits, probs, x_index=None) -> y rows: with x_index (a RowIndex) x holds the tokens and
+# the experts gather their rows (grouped_mlp's x_index); without, x holds the rows grouped by expert.
+ExpertsFn = Callable[..., Tensor]
 
 
 class LocalState(NamedTuple):
@@ -228,9 +247,12 @@ def local_moe_forward(
     probs: Tensor,  # (T, K) fp32
     expert_idx: Tensor,  # (T, K) int64
     num_experts: int,
-    experts: ExpertsFn,  # (x_perm, splits, probs_perm) -> y_perm
+    experts: ExpertsFn,  # (x, splits, probs_perm, x_index) -> y_perm
     triton: bool,
 ) -> tuple[Tensor, DispatchPlan]:
-    """Dispatch -> experts -> combine on one device; no host read."""
-    x_perm, splits, probs_perm, state = local_dispatch(x, probs, expert_idx, num_experts, triton)
-    return local_combine(experts(x_perm, splits, probs_perm), state), state.plan
+    """Dispatch -> experts -> combine on one device; no host read. The experts gather their input
+    rows from x through ``row_index(plan)``: the (T·K, H) permuted copy of x is never made here."""
+    plan = plan_dispatch(expert_idx, num_experts)
+    probs_perm = permute_probs(probs, plan)
+    y_perm = experts(x, plan.splits, probs_perm, row_index(plan))
+    return unpermute(y_perm, plan, triton), plan

@@ -23,8 +23,10 @@ class MoE(nn.Module):
 
         probs, expert_idx = router(x)           fp32 (T, k), see moemlp.moe.router
         rows sorted by expert on the device     no host sync on one device
-        y_rows = experts(rows, splits, probs)   moemlp.grouped_mlp: the router probability
-                                                multiplies inside the expert block, in fp32
+        y_rows = experts(x, splits, probs,      moemlp.grouped_mlp: gathers its rows from x
+                         x_index)               (x_index; with ep_group the rows are permuted and
+                                                sent instead); the router probability multiplies
+                                                inside the expert block, in fp32
         y[t] = Σ_k y_rows[row of (t, k)]        fixed k order, fp32 accumulation, no atomics
 
     Submodules: ``router`` (``router.weight`` (E, H) fp32, replicated on every rank) and
@@ -151,8 +153,8 @@ class MoE(nn.Module):
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch: expected None or a bool, got {type(is_first_microbatch).__name__}")
 
-        def run_experts(rows: Tensor, splits: Tensor, probs: Tensor) -> Tensor:
-            return self.experts(rows, splits, probs, is_first_microbatch=is_first_microbatch)
+        def run_experts(rows: Tensor, splits: Tensor, probs: Tensor, x_index=None) -> Tensor:
+            return self.experts(rows, splits, probs, is_first_microbatch=is_first_microbatch, x_index=x_index)
 
         if not isinstance(x, Tensor):
             raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
