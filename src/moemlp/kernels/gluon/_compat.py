@@ -1,15 +1,17 @@
 """Every difference between the Gluon APIs of triton 3.6 (the GPU machines) and 3.9 (this checkout)
 that the engine touches, in one place, detected by feature rather than by version string.
 
-| what                         | triton 3.6                                    | triton 3.9                                  |
-|------------------------------|-----------------------------------------------|---------------------------------------------|
-| TMA load global → smem       | ``tma.async_copy_global_to_shared``           | ``tma.async_load`` (old name raises)        |
-| TMA store smem → global      | ``tma.async_copy_shared_to_global``           | ``tma.async_store`` (old name raises)       |
-| ``gl.warp_specialize``       | ``(functions_and_args, warps, regs)``, regs   | same list form, ``regs`` optional            |
-|                              | required                                      |                                             |
-| ``mbarrier.expect``          | ``(bar, bytes, pred)``                        | ``(bar, bytes_per_cta, pred, *, from_cta)`` |
-| CTA-wide thread barrier      | ``gl.thread_barrier()``                       | ``gl.barrier(*, cluster=False)``            |
-| ``tma.store_wait``           | ``(pendings)``                                | ``(pendings, read_only=True)``              |
+- TMA load, global → smem: 3.6 ``tma.async_copy_global_to_shared``; 3.8+ ``tma.async_load`` (3.9
+  keeps the old name as a builtin that raises).
+- TMA store, smem → global: 3.6 ``tma.async_copy_shared_to_global``; 3.8+ ``tma.async_store`` (the
+  old name raises in 3.9).
+- ``gl.warp_specialize``: both take ``(functions_and_args, worker_num_warps, worker_num_regs)``;
+  3.6 requires the register list, 3.9 makes it optional (≤ 3.5 took six separate arguments).
+- ``mbarrier.expect``: 3.6 ``(bar, bytes, pred)``; 3.9 ``(bar, bytes_per_cta, pred, *, from_cta)``.
+- CTA-wide barrier: 3.6 ``gl.thread_barrier()``; 3.9 ``gl.barrier(*, cluster=False)``.
+- ``tma.store_wait``: 3.6 ``(pendings)``; 3.9 ``(pendings, read_only=True)``.
+- Offline compiles: both have ``gluon._runtime.GluonASTSource``, which sets ``ttg.num-warps`` on
+  the module; a plain ``ASTSource`` leaves it out and a warp-specialized region fails to verify.
 
 The engine calls only the names defined here for those operations, always with the arguments both
 versions accept positionally (``expect(bar, nbytes)``, ``store_wait(n)``, ``warp_specialize`` with

@@ -19,7 +19,7 @@ GROUP_M = 8
 MAX_EXPERTS = 256
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -69,7 +69,9 @@ def _check(a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: torch.Te
             raise ValueError("grouped_gemm: out must be contiguous and start on a 16-byte boundary")
 
 
-def grouped_gemm(a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_gemm(
+    a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """C[R_e] = A[R_e] @ B[e]ᵀ for every expert e, R_e the rows between offsets[e-1] and offsets[e]
     (offsets = cumsum(splits), computed on the device). a (M, K) bf16 with rows grouped by expert;
     b (E, N, K) bf16; splits (E,) int32/int64 on a's device. Returns C (M, N) bf16 (written into
@@ -100,7 +102,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: to
     # Static bound on the tile count (M rows over E experts make at most cdiv(M, BM) + E m-tiles,
     # capacity included), so the grid needs no device read.
     tile_bound = (-(-M // BM) + E) * -(-N // BN)
-    grid = (min(_num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device()), tile_bound),)
+    device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    grid = (min(_num_sms(device_index), tile_bound),)
     with torch.cuda.device(a.device):
         grouped_gemm_kernel[grid](
             a_desc, b_desc, c_desc, out, splits, E, M, N, K,
