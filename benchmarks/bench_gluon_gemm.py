@@ -6,17 +6,18 @@ GEMMs at the four model shapes, and a dense torch.mm of the same FLOPs as the ce
 Prediction, written before any measurement (H200, triton 3.6, 128×128×64 tiles, 4 stages,
 ping-pong consumers, no cluster multicast), TFLOP/s Gluon vs torch._grouped_mm:
 
-| shape | FC1 | FC2 |
-|---|---|---|
-| qwen3-30b-a3b | 380 vs 430 | 320 vs 380 |
-| mixtral-8x7b | 580 vs 640 | 590 vs 650 |
-| deepseek-v3-ep8 | 540 vs 610 | 520 vs 560 |
-| gpt-oss-120b | 250 vs 280 | 230 vs 270 |
+| shape | FC1 | FC2 | bound by |
+|---|---|---|---|
+| qwen3-30b-a3b | 380 vs 430 | 340 vs 390 | HBM as much as MMA: B is 805 / 403 MB for 206 / 103 GFLOP |
+| mixtral-8x7b | 590 vs 640 | 600 vs 650 | MMA (3.85 / 1.92 TFLOP; B read twice with GROUP_M 8) |
+| deepseek-v3-ep8 | 560 vs 610 | 540 vs 570 | MMA |
+| gpt-oss-120b | 310 vs 280 | 290 vs 270 | HBM: B is 4.2 / 2.1 GB, ~128 rows an expert |
 
-i.e. 0.85–0.92× of cuBLAS/CUTLASS's grouped kernel: the same tile and schedule family as CUTLASS's
-ping-pong, minus what Triton's lowering adds per k-step (a warpgroup bar.sync before every
-single-thread mbarrier arrive) and minus 2-CTA multicast of B. The small-expert shapes (qwen3,
-gpt-oss: ~128–256 rows an expert) lose more: a third to a half of their m-tiles are partial.
+i.e. about 0.9× of CUTLASS's grouped kernel where the MMAs bound it: the same tile and schedule
+family as CUTLASS's ping-pong, minus what Triton's lowering adds per k-step (two warpgroup
+bar.syncs, one before the mbarrier wait and one before the single-thread arrive) and minus 2-CTA
+multicast of B. On gpt-oss, where streaming 4.2 GB of weights sets the time and torch reaches only
+280, the grouped m-tile order that reads each B column-block once could put it slightly ahead.
 
 FLOPs: FC1 2·M·2F·H, FC2 2·M·H·F, M = tokens·top_k, uniform random top-k routing. Timings are
 triton.testing.do_bench medians. Before any timing the engine runs once in a child process with a
