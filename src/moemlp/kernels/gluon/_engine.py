@@ -134,6 +134,56 @@ def _producer(a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, emp
 
 
 @gluon.jit
+def _mainloop(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, STAGES: gl.constexpr):
+    """The K loop of one tile from ring position ``it``: async wgmma with one group in flight, each
+    stage handed back to the producer as soon as the wgmma after it has been issued and the one
+    reading it has finished. Returns the fp32 accumulator with every MMA still pending but the
+    last waited for by the caller (``warpgroup_mma_wait(0)``) and that last stage still held."""
+    acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+    for kk in range(k_steps):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        acc = warpgroup_mma(a_ring.index(s), b_ring.index(s).permute((1, 0)), acc, is_async=True)
+        # One wgmma group in flight: the one before it has read its stage, which goes back.
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kk > 0)
+        it += 1
+    return acc, it
+
+
+@gluon.jit
+def _store_tile(acc, c_desc, c_ptr, c_smem, m0, n0, row_end, M, N, BM: gl.constexpr, BN: gl.constexpr):
+    """The plain epilogue: round once to bf16, stage in shared memory, then a TMA store when every
+    row of the tile is the expert's (or the tile ends at row M), else a masked 16-byte-vector store
+    of the rows before ``row_end``. The fused MLP epilogues replace this unit."""
+    # 16-byte vectors along N for the masked boundary store: 16 lanes cover 128 bf16 columns.
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [4, 1], [1, 0])
+    store_wait(0)  # the previous TMA store from c_smem has finished reading it
+    c_smem.store(acc.to(c_desc.dtype))
+    if (m0 + BM <= row_end) | (row_end == M):
+        fence_async_shared()
+        tma_store(c_desc, [m0, n0], c_smem)
+    else:
+        tile = c_smem.load(store_layout)
+        rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, store_layout))
+        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, store_layout))
+        # int64: M·N reaches 2^31 at 16k rows × 128k columns.
+        offs = rows.to(gl.int64)[:, None] * N + cols[None, :]
+        mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+        gl.store(c_ptr + offs, tile, mask=mask)
+
+
+@gluon.jit
+def _store_zeros(c_desc, c_smem, m0, n0, acc_layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """A capacity tile: rows from Σsplits on are the tensor's tail, so TMA's clipping at M is exact."""
+    store_wait(0)
+    c_smem.store(gl.zeros([BM, BN], c_desc.dtype, acc_layout))
+    fence_async_shared()
+    tma_store(c_desc, [m0, n0], c_smem)
+
+
+@gluon.jit
 def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
               turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
               STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr):
@@ -144,14 +194,9 @@ def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_r
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     my_tiles = gl.cdiv(gl.maximum(real_tiles + cap_tiles - pid, 0), nprog)
-
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
-    # 16-byte vectors along N for the masked boundary store: 16 lanes cover 128 bf16 columns.
-    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [4, 1], [1, 0])
     c_smem = c_tiles.index(WG)
-    rows_in_tile = gl.arange(0, BM, layout=gl.SliceLayout(1, store_layout))
-    cols_in_tile = gl.arange(0, BN, layout=gl.SliceLayout(0, store_layout))
 
     turns = 0
     for j in range(WG, my_tiles, 2):
@@ -161,42 +206,16 @@ def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_r
             # My turn for the mainloop: warpgroup 0 waits on parity 1 first (passes at once).
             mbarrier.wait(turn.index(WG), (turns & 1) ^ (1 - WG))
             turns += 1
-            acc = gl.zeros([BM, BN], gl.float32, acc_layout)
-            it = j * k_steps  # the ring position: every earlier tile of this CTA took k_steps stages
-            for kk in range(k_steps):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                acc = warpgroup_mma(a_ring.index(s), b_ring.index(s).permute((1, 0)), acc, is_async=True)
-                # One wgmma group in flight: the one before it has read its stage, which goes back.
-                acc = warpgroup_mma_wait(1, deps=(acc,))
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kk > 0)
-                it += 1
+            # The ring position: real tiles precede capacity tiles, and each took k_steps stages.
+            acc, it = _mainloop(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM, BN, STAGES)
             # Every stage of this tile has been waited on: the other warpgroup may start its mainloop.
             mbarrier.arrive(turn.index(1 - WG))
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-
-            store_wait(0)  # the previous TMA store from c_smem has finished reading it
-            c_smem.store(acc.to(c_desc.dtype))
-            if (m0 + BM <= row_end) | (row_end == M):
-                fence_async_shared()
-                tma_store(c_desc, [m0, n0], c_smem)
-            else:
-                tile = c_smem.load(store_layout)
-                rows = m0 + rows_in_tile
-                cols = n0 + cols_in_tile
-                # int64: M·N reaches 2^31 at 16k rows × 128k columns.
-                offs = rows.to(gl.int64)[:, None] * N + cols[None, :]
-                mask = (rows < row_end)[:, None] & (cols < N)[None, :]
-                gl.store(c_ptr + offs, tile, mask=mask)
+            _store_tile(acc, c_desc, c_ptr, c_smem, m0, n0, row_end, M, N, BM, BN)
         else:
             cap = t - real_tiles
-            m0 = routed + (cap // n_tiles) * BM
-            n0 = (cap % n_tiles) * BN
-            store_wait(0)
-            c_smem.store(gl.zeros([BM, BN], c_desc.dtype, acc_layout))
-            fence_async_shared()
-            tma_store(c_desc, [m0, n0], c_smem)
+            _store_zeros(c_desc, c_smem, routed + (cap // n_tiles) * BM, (cap % n_tiles) * BN, acc_layout, BM, BN)
     store_wait(0)
 
 
