@@ -127,7 +127,8 @@ CASES = [
     pytest.param([33, 70, 0, 129, 5, 256, 17], 510, 384, 192, id="prime-E"),  # E = 7
     pytest.param([0, 0, 1000, 0, 0], 1000, 512, 256, id="all-rows-in-one-expert"),  # 8 m-tiles, one expert
     pytest.param([100, 50, 60], 300, 136, 72, id="capacity"),  # rows 210..299 are capacity padding
-    pytest.param([64] * 16, 1024, 1024, 512, id="aligned-16-experts"),  # every tile is a full TMA store
+    pytest.param([128] * 8, 1024, 1024, 512, id="tile-aligned"),  # every m-tile full: TMA stores only
+    pytest.param([64] * 16, 1024, 384, 128, id="half-tiles"),  # every m-tile but the last is a masked store
     pytest.param([700, 700], 1000, 128, 64, id="splits-past-M"),  # the running sum is clamped at M
 ]
 
