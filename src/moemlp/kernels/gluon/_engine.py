@@ -1,0 +1,275 @@
+"""A persistent, warp-specialized grouped GEMM for sm_90 in Gluon: C[R_e] = A[R_e] @ B[e]ᵀ.
+
+One CTA per SM, 3 partitions (12 warps: 4 + 4 + 1, padded to warpgroups):
+
+* producer (1 warp, 40 registers): walks this CTA's tiles and issues TMA loads of A[m0:m0+BM, k0:k0+BK]
+  and B[e][n0:n0+BN, k0:k0+BK] into a STAGES-deep shared-memory ring; ``ready[s]`` (TMA byte count)
+  and ``empty[s]`` (released by the consumer) mbarriers per stage.
+* two consumer warpgroups, ping-pong (the default partition is warpgroup 0, the first worker
+  warpgroup 1): this CTA's j-th tile belongs to warpgroup j % 2, which runs its whole K loop with
+  async wgmma (one group in flight) into a 128×128 fp32 accumulator (128 registers a thread) and
+  then its epilogue, while the other warpgroup's mainloop keeps the tensor cores busy. Ping-pong
+  rather than cooperative (2 × 64 rows of one 128×256 tile): the MLP epilogues this engine is for
+  (SwiGLU · probs, dSwiGLU with dprobs row sums) cost as much as a few k-steps, and only ping-pong
+  hides them behind the other warpgroup's MMAs; cooperative would stall both warpgroups on them.
+  A ``turn`` mbarrier pair orders the two mainloops (warpgroup w starts tile j only after the other
+  finished issuing tile j-1), as CUTLASS's ordered math barrier does: that keeps each consumer at
+  most one ring phase ahead of the stages it waits on, so parity waits cannot alias.
+
+Tiles: (expert, m-tile, n-tile), m-tiles never straddle experts. The expert table is computed in
+every partition from ``splits`` on the device (clamped: negative → 0 rows, a running sum past M
+stops at M), never read on the host. Within an expert, m-tiles are visited in groups of GROUP_M with
+the n-tiles inside a group (the triton-tutorial swizzle): 132 concurrent tiles then touch ≤ GROUP_M
+A row-blocks and ~132 / GROUP_M B column-blocks, so each B[e] column-block is read from HBM
+cdiv(m-tiles, GROUP_M) times instead of once per m-tile (mixtral FC1: B[e] is 235 MB, 16 m-tiles).
+
+Stores: a tile whose rows all belong to its expert (or that ends at row M) goes registers → smem →
+TMA store. The last m-tile of an expert that ends before M is stored from the same smem tile by a
+masked register store (16-byte vectors), because a TMA store clips only at the tensor's edge and
+would overwrite the next expert's first rows. Masked store, not per-expert descriptors built on the
+device: ``make_tensor_descriptor`` in a kernel needs a global scratch allocator
+(``triton.set_allocator``, process-wide state the lead's launchers do not own) plus a tensormap
+fence per descriptor, and the boundary tile is at most one of every m-tile column per expert.
+Rows past Σsplits (capacity) belong to no expert: "capacity tiles" after the real ones store zeros
+there with TMA (they are the tensor's tail, so clipping at M is exactly right). Every row of C is
+written by exactly one tile; no atomics, so results are bitwise repeatable.
+
+Loads need no masking: A rows past the expert's end are the next expert's (their products land in
+rows that are not stored), rows or columns past the tensor's edge are zero-filled by TMA.
+"""
+
+from __future__ import annotations
+
+from ._compat import (
+    expect_bytes,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    store_wait,
+    tma_load,
+    tma_store,
+    warp_specialize,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# 12 warps (4 + 4 + 1, padded to whole warpgroups) share 65,536 registers: ≤ 168 each at launch.
+# setmaxnreg then moves them: consumers 232 (128 accumulator registers + the epilogue's bf16 copy
+# and addresses), producer 40 (a TMA issue loop of scalars). 232 + 232 + 40 = 3 × 168.
+MAXNREG = 168
+CONSUMER_REGS = gl.constexpr(232)
+PRODUCER_REGS = gl.constexpr(40)
+NUM_WARPS = 4
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _expert_table(splits_ptr, E, M, n_tiles, BM: gl.constexpr, E_BLOCK: gl.constexpr, WARPS: gl.constexpr):
+    """Per-expert rows [starts, ends), the inclusive running count of tiles ``tile_ends``, and the
+    number of real tiles and of routed rows. Every partition computes it for itself: worker
+    partitions take no distributed tensors."""
+    # The whole table sits in every warp of the partition (E_BLOCK / 32 entries a lane), so a per-tile
+    # lookup reduces within a warp: shuffles, no shared memory.
+    layout: gl.constexpr = gl.BlockedLayout([E_BLOCK // 32], [32], [WARPS], [0])
+    idx = gl.arange(0, E_BLOCK, layout=layout)
+    # int64: 1024 experts × splits up to 2^31 would overflow an int32 running sum before clamping.
+    rows = gl.load(splits_ptr + idx, mask=idx < E, other=0).to(gl.int64)
+    rows = gl.minimum(gl.maximum(rows, 0), M)
+    cum = gl.associative_scan(rows, 0, _add)
+    ends = gl.minimum(cum, M).to(gl.int32)
+    starts = gl.minimum(cum - rows, M).to(gl.int32)
+    m_tiles = (ends - starts + BM - 1) // BM
+    tile_ends = gl.associative_scan(m_tiles * n_tiles, 0, _add)
+    real_tiles = gl.sum(m_tiles, 0) * n_tiles
+    routed = gl.max(ends, 0)
+    return idx, starts, ends, tile_ends, real_tiles, routed
+
+
+@gluon.jit
+def _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, BM: gl.constexpr, BN: gl.constexpr,
+                 GROUP_M: gl.constexpr):
+    """Real tile t → (expert, first row, first column, the expert's end row)."""
+    e = gl.sum((tile_ends <= t).to(gl.int32), 0)
+    this = idx == e
+    tile_start = gl.sum(gl.where(this, tile_ends, 0), 0)
+    row_start = gl.sum(gl.where(this, starts, 0), 0)
+    row_end = gl.sum(gl.where(this, ends, 0), 0)
+    m_tiles = (row_end - row_start + BM - 1) // BM
+    tile_start = tile_start - m_tiles * n_tiles
+    local = t - tile_start
+    per_group = GROUP_M * n_tiles
+    first_m = (local // per_group) * GROUP_M
+    group_m = gl.minimum(m_tiles - first_m, GROUP_M)
+    in_group = local % per_group
+    m0 = row_start + (first_m + in_group % group_m) * BM
+    n0 = (in_group // group_m) * BN
+    return e, m0, n0, row_end
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty,
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr):
+    n_tiles = gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, BM, E_BLOCK, 1)
+    stage_bytes: gl.constexpr = (BM + BN) * BK * 2
+    it = 0
+    for t in range(gl.program_id(0), real_tiles, gl.num_programs(0)):
+        e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, BM, BN, GROUP_M)
+        b_row = e * N + n0
+        for kk in range(k_steps):
+            s = it % STAGES
+            # A fresh mbarrier passes a wait on parity 1, so the first lap finds every stage empty.
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            expect_bytes(ready.index(s), stage_bytes)
+            tma_load(a_desc, [m0, kk * BK], ready.index(s), a_ring.index(s))
+            tma_load(b_desc, [b_row, kk * BK], ready.index(s), b_ring.index(s))
+            it += 1
+
+
+@gluon.jit
+def _mainloop(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, STAGES: gl.constexpr):
+    """The K loop of one tile from ring position ``it``: async wgmma with one group in flight, each
+    stage handed back to the producer as soon as the wgmma after it has been issued and the one
+    reading it has finished. Returns the fp32 accumulator with every MMA still pending but the
+    last waited for by the caller (``warpgroup_mma_wait(0)``) and that last stage still held."""
+    acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+    for kk in range(k_steps):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        acc = warpgroup_mma(a_ring.index(s), b_ring.index(s).permute((1, 0)), acc, is_async=True)
+        # One wgmma group in flight: the one before it has read its stage, which goes back.
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kk > 0)
+        it += 1
+    return acc, it
+
+
+@gluon.jit
+def _store_tile(acc, c_desc, c_ptr, c_smem, m0, n0, row_end, M, N, BM: gl.constexpr, BN: gl.constexpr):
+    """The plain epilogue: round once to bf16, stage in shared memory, then a TMA store when every
+    row of the tile is the expert's (or the tile ends at row M), else a masked 16-byte-vector store
+    of the rows before ``row_end``. The fused MLP epilogues replace this unit."""
+    # 16-byte vectors along N for the masked boundary store: 16 lanes cover 128 bf16 columns.
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [4, 1], [1, 0])
+    store_wait(0)  # the previous TMA store from c_smem has finished reading it
+    c_smem.store(acc.to(c_desc.dtype))
+    if (m0 + BM <= row_end) | (row_end == M):
+        fence_async_shared()
+        tma_store(c_desc, [m0, n0], c_smem)
+    else:
+        tile = c_smem.load(store_layout)
+        rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, store_layout))
+        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, store_layout))
+        # int64: M·N reaches 2^31 at 16k rows × 128k columns.
+        offs = rows.to(gl.int64)[:, None] * N + cols[None, :]
+        mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+        gl.store(c_ptr + offs, tile, mask=mask)
+
+
+@gluon.jit
+def _store_zeros(c_desc, c_smem, m0, n0, acc_layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """A capacity tile: rows from Σsplits on are the tensor's tail, so TMA's clipping at M is exact."""
+    store_wait(0)
+    c_smem.store(gl.zeros([BM, BN], c_desc.dtype, acc_layout))
+    fence_async_shared()
+    tma_store(c_desc, [m0, n0], c_smem)
+
+
+@gluon.jit
+def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
+              turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+              STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr):
+    n_tiles = gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, BM, E_BLOCK, 4)
+    cap_tiles = gl.cdiv(M - routed, BM) * n_tiles
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    my_tiles = gl.cdiv(gl.maximum(real_tiles + cap_tiles - pid, 0), nprog)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    c_smem = c_tiles.index(WG)
+
+    turns = 0
+    for j in range(WG, my_tiles, 2):
+        t = pid + j * nprog
+        if t < real_tiles:
+            e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, BM, BN, GROUP_M)
+            # My turn for the mainloop: warpgroup 0 waits on parity 1 first (passes at once).
+            mbarrier.wait(turn.index(WG), (turns & 1) ^ (1 - WG))
+            turns += 1
+            # The ring position: real tiles precede capacity tiles, and each took k_steps stages.
+            acc, it = _mainloop(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM, BN, STAGES)
+            # Every stage of this tile has been waited on: the other warpgroup may start its mainloop.
+            mbarrier.arrive(turn.index(1 - WG))
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            _store_tile(acc, c_desc, c_ptr, c_smem, m0, n0, row_end, M, N, BM, BN)
+        else:
+            cap = t - real_tiles
+            _store_zeros(c_desc, c_smem, routed + (cap // n_tiles) * BM, (cap % n_tiles) * BN, acc_layout, BM, BN)
+    store_wait(0)
+
+
+@gluon.jit
+def _consumer_wg1(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
+                  turn, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                  GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr):
+    _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty, turn,
+              1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK)
+
+
+@gluon.jit
+def _consumer_wg0(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
+                  turn, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                  GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr):
+    _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty, turn,
+              0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK)
+
+
+@gluon.jit
+def grouped_gemm_kernel(
+    a_desc,  # (M, K) bf16, rows grouped by expert; block [BM, BK]
+    b_desc,  # (E·N, K) bf16: B (E, N, K) with experts stacked along rows; block [BN, BK]
+    c_desc,  # (M, N) bf16; block [BM, BN]
+    c_ptr,  # (M, N) bf16, the same tensor as c_desc, for the masked store of expert-boundary tiles
+    splits_ptr,  # (E,) int32 or int64 rows per expert, on the device
+    E,
+    M,
+    N,
+    K,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    E_BLOCK: gl.constexpr,
+):
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    c_tiles = gl.allocate_shared_memory(c_desc.dtype, [2, BM, BN], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for w in gl.static_range(2):
+        mbarrier.init(turn.index(w), count=1)
+
+    warp_specialize([
+        (_consumer_wg0, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
+                         turn, BM, BN, BK, STAGES, GROUP_M, E_BLOCK)),
+        (_consumer_wg1, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
+                         turn, BM, BN, BK, STAGES, GROUP_M, E_BLOCK)),
+        (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
+                     GROUP_M, E_BLOCK)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

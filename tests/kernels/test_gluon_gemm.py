@@ -1,0 +1,197 @@
+"""The Gluon grouped GEMM (moemlp.kernels.gluon): an offline sm_90 compile on any machine (which
+instructions, registers, shared memory, no spills), input checks, and on an H200 the numbers against
+torch._grouped_mm and a float64 reference on ragged splits."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from moemlp.kernels.gluon import _compat
+
+needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks: {_compat.missing()}")
+
+BM, BN, BK, STAGES, GROUP_M = 128, 128, 64, 4, 8
+
+
+def _compile_sm90(e_block: int, splits_dtype: str):
+    """Compiles the engine for sm_90 without a GPU; returns (sass, cuobjdump -res-usage, shared bytes)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import _runtime
+
+    from moemlp.kernels.gluon import _engine
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("triton ships no cuobjdump here")
+    gl = _compat.gl
+
+    def desc(block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        return f"tensordesc<bf16[{block[0]},{block[1]}],{layout!r}>"
+
+    constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block)
+    sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN, BK]), "c_desc": desc([BM, BN]), "c_ptr": "*bf16",
+           "splits_ptr": f"*{splits_dtype}", "E": "i32", "M": "i32", "N": "i32", "K": "i32"}
+    sig.update({name: "constexpr" for name in constexprs})
+    names = list(sig)
+    # As a launch on real shapes specializes them: 16-aligned pointers, N and K multiples of 16.
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("c_ptr", "splits_ptr", "N", "K")}
+    # Gluon kernels compile through GluonASTSource (the plain ASTSource gives the module no
+    # ttg.num-warps, and the layouts of a warp-specialized region then fail to verify).
+    src = _runtime.GluonASTSource(fn=_engine.grouped_gemm_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": _engine.NUM_WARPS, "maxnreg": _engine.MAXNREG})
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moemlp_gluon_sm90_{os.getpid()}.cubin")
+    with open(path, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+    return sass, usage, compiled.metadata.shared
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "e_block, splits_dtype",
+    [
+        pytest.param(128, "i32", id="E128-int32"),  # qwen3 / gpt-oss expert counts
+        pytest.param(32, "i64", id="E32-int64"),  # the smallest table, int64 splits
+        pytest.param(256, "i32", id="E256-int32"),  # the largest table the launcher accepts
+    ],
+)
+def test_offline_sm90_compile(e_block, splits_dtype):
+    sass, usage, shared = _compile_sm90(e_block, splits_dtype)
+    # Each consumer warpgroup's k-step is 2 m64 halves × BK/16 = 4 wgmma of m64n128k16; the
+    # consumer body is emitted once per warpgroup: 16 in all.
+    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16", sass)) == 2 * 2 * (BK // 16)
+    assert len(re.findall(r"\bUTMALDG\.2D\b", sass)) == 2  # the producer's A and B loads
+    assert len(re.findall(r"\bUTMASTG\.2D\b", sass)) >= 2  # TMA stores of both warpgroups
+    assert re.search(r"\bSYNCS\.ARRIVE", sass) and re.search(r"\bSYNCS\.PHASECHK", sass)  # mbarriers
+    # setmaxnreg: the producer gives registers back down to 40, the consumers take 232.
+    assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", sass)
+    assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", sass)
+    assert re.search(r"\bSTG\.E\.128\b", sass)  # the masked 16-byte stores of expert-boundary tiles
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    assert regs <= 168, usage  # 12 warps × 168 × 32 lanes fits 65,536 registers
+    assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
+    # 4 stages × 32 KiB + 2 epilogue tiles × 32 KiB + barriers, within sm_90's 227 KiB a CTA.
+    assert 192 * 1024 <= shared <= 227 * 1024, shared
+
+
+def test_compat_reports_what_is_missing():
+    missing = _compat.missing()
+    assert isinstance(missing, list)
+    if not missing:
+        # 3.9 keeps async_copy_global_to_shared as a builtin that raises: the new name must win.
+        assert _compat.tma_load is getattr(_compat.tma, "async_load", _compat.tma_load)
+        assert _compat.tma_store is getattr(_compat.tma, "async_store", _compat.tma_store)
+        assert _compat.warp_specialize is _compat.gl.warp_specialize
+    if not torch.cuda.is_available():
+        assert not _compat.is_available()
+        assert _compat.why_unavailable()
+
+
+@pytest.mark.parametrize(
+    "a, b, splits, error, words",
+    [
+        pytest.param((64, 32), (2, 16, 32), ((2,), torch.int32), TypeError, "device", id="cpu-tensors"),
+        pytest.param((64, 32), (2, 16, 32), ((2,), torch.float32), TypeError, "int32 or int64", id="float-splits"),
+        pytest.param((64,), (2, 16, 32), ((2,), torch.int32), ValueError, "(M, K)", id="a-1d"),
+        pytest.param((64, 32), (16, 32), ((2,), torch.int32), ValueError, "(E, N, K)", id="b-2d"),
+    ],
+)
+def test_input_checks(a, b, splits, error, words):
+    a_t = torch.zeros(a, dtype=torch.bfloat16)
+    b_t = torch.zeros(b, dtype=torch.bfloat16)
+    s_t = torch.zeros(splits[0], dtype=splits[1])
+    from moemlp.kernels.gluon import grouped_gemm
+
+    with pytest.raises(error, match=re.escape(words)):
+        grouped_gemm(a_t, b_t, s_t)
+
+
+# (splits, M, N, K): one comment per case says what it exercises.
+CASES = [
+    pytest.param([300, 0, 77, 128], 505, 256, 128, id="empty-expert"),  # expert 1 has no rows
+    pytest.param([5, 200, 3], 208, 128, 64, id="fewer-rows-than-a-tile"),  # experts 0, 2: a partial tile alone
+    pytest.param([131, 257, 1, 389], 778, 264, 200, id="odd-sizes"),  # odd splits; N, K not tile multiples
+    pytest.param([33, 70, 0, 129, 5, 256, 17], 510, 384, 192, id="prime-E"),  # E = 7
+    pytest.param([0, 0, 1000, 0, 0], 1000, 512, 256, id="all-rows-in-one-expert"),  # 8 m-tiles, one expert
+    pytest.param([100, 50, 60], 300, 136, 72, id="capacity"),  # rows 210..299 are capacity padding
+    pytest.param([128] * 8, 1024, 1024, 512, id="tile-aligned"),  # every m-tile full: TMA stores only
+    pytest.param([64] * 16, 1024, 384, 128, id="half-tiles"),  # every m-tile but the last is a masked store
+    pytest.param([700, 700], 1000, 128, 64, id="splits-past-M"),  # the running sum is clamped at M
+]
+
+
+def _reference(a, b, splits, M):
+    """float64 C[R_e] = A[R_e] @ B[e]ᵀ with the kernel's clamping of splits; capacity rows 0."""
+    rows = splits.to(torch.int64).clamp(0, M)
+    ends = rows.cumsum(0).clamp(max=M)
+    starts = (ends - rows).clamp(min=0, max=M)
+    out = torch.zeros(M, b.shape[1], dtype=torch.float64, device=a.device)
+    for e in range(b.shape[0]):  # per expert, not per token
+        s, t = int(starts[e]), int(ends[e])
+        out[s:t] = a[s:t].double() @ b[e].double().T
+    return out, int(ends[-1])
+
+
+@pytest.fixture(scope="module")
+def engine_runs():
+    """The engine once in a child process with a time limit: a hang on this triton fails the GPU
+    tests with a message instead of stalling the session."""
+    from moemlp.kernels.gluon import why_unavailable
+    from moemlp.kernels.gluon._smoke import why_engine_fails
+
+    if why_unavailable():
+        pytest.skip(why_unavailable())
+    reason = why_engine_fails(timeout_s=240)
+    if reason:
+        pytest.fail(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("splits_list, M, N, K", CASES)
+def test_grouped_gemm_gpu(splits_list, M, N, K, splits_dtype, engine_runs):
+    from moemlp.kernels.gluon import grouped_gemm
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    E = len(splits_list)
+    a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16) / K**0.5
+    splits = torch.tensor(splits_list, device=dev, dtype=splits_dtype)
+    ref, routed = _reference(a, b, splits, M)
+
+    # Poisoned output: every row must be written, routed rows with products, capacity rows with 0.
+    out = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
+    got = grouped_gemm(a, b, splits, out=out)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr()
+    assert not torch.isnan(got).any(), f"{int(torch.isnan(got).any(1).sum())} rows left unwritten"
+    assert torch.equal(got[routed:], torch.zeros_like(got[routed:]))
+
+    err = (got[:routed].double() - ref[:routed]).abs().max().item() if routed else 0.0
+    if sum(max(s, 0) for s in splits_list) <= M:
+        offs = splits.to(torch.int32).cumsum(0).to(torch.int32)
+        peer = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+        torch_err = (peer[:routed].double() - ref[:routed]).abs().max().item() if routed else 0.0
+    else:  # _grouped_mm takes no offsets past M; its bf16 error is the final rounding, ≤ 2^-8 relative
+        torch_err = ref.abs().max().item() * 2.0**-8
+    # quack's idiom: within 2× the error of PyTorch's own bf16 computation against float64, plus one
+    # bf16 ulp of the largest value for the cases where both round identically (torch_err ~ 0).
+    assert err <= 2 * torch_err + ref.abs().max().item() * 2.0**-8, (err, torch_err)
+
+    again = grouped_gemm(a, b, splits)
+    torch.cuda.synchronize()
+    assert torch.equal(again, got), "two runs on the same inputs differ"
