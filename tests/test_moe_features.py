@@ -277,3 +277,19 @@ def test_new_arguments_are_checked_at_construction(kwargs, exc, match):
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         MoE(**args)
+
+
+def test_torch_compile_fullgraph_with_the_features():
+    # Capacity planning, group-limited routing and the shared experts trace into one graph with no
+    # break (a host read such as .item() or .tolist() would break it) and give the eager bits.
+    moe = _build(16, 8, 8, dict(top_k=2, score="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=2.0,
+                                num_shared_experts=1, shared_expert_gate=True, capacity_factor=0.6,
+                                pad_to_capacity=True))
+    x = torch.randn(20, 16, dtype=torch.float64, requires_grad=True)
+    params = [x] + list(moe.parameters())
+    y = moe(x)
+    yc = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(y, yc)
+    dy = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, params, dy), torch.autograd.grad(yc, params, dy)):
+        assert torch.equal(a, b)
