@@ -6,12 +6,14 @@ whose process groups give EP sizes 1 ({r}), 2 ({0,1}, {2,3}) and 4 (all):
   4 -> 1, 2 -> 4, and from the ranks' plain state_dicts offline;
 - replicated-gradient sync: EP training with ``sync_replicated_grads`` equals one-process training
   on all the ranks' tokens (losses summed) over several SGD-with-momentum steps, with shared
-  experts and their gate, group-limited routing, routed scaling, the expert bias and aux losses on.
+  experts and their gate, group-limited routing, routed scaling, the expert bias, aux losses and
+  token dropping (capacity from each rank's own tokens, as the one process computes it per call) on.
 
 float64 experts; the router and the shared gate are fp32 by design (their gradients are summed in
 another order on one process than over the ranks).
 """
 
+import math
 import os
 import socket
 import time
@@ -32,7 +34,7 @@ STEPS = 4
 LAYER = dict(hidden_size=H, ffn_hidden_size=F_, num_experts=E, top_k=K, score="sigmoid", num_groups=4, topk_groups=2,
              routed_scaling_factor=2.0, expert_bias=True, aux_loss_coeff=0.01, z_loss_coeff=0.001,
              num_shared_experts=2, shared_expert_ffn_hidden_size=6, shared_expert_gate=True,
-             dtype=torch.float64, backend="torch")
+             capacity_factor=0.8, dtype=torch.float64, backend="torch")
 
 
 def _free_port() -> int:
@@ -78,6 +80,11 @@ def _check_checkpoints(rank, groups):
     ep1, ep2, ep4 = groups
     x, _ = _batch(0, rank)
     ref = _initial_model()
+    # set-up: tokens are dropped (capacity from this rank's T) on some rank, else dropping is untested
+    _, idx = ref.router(x)
+    drops = torch.tensor([int(torch.bincount(idx.reshape(-1), minlength=E).max() > math.ceil(x.shape[0] * K / E * 0.8))])
+    dist.all_reduce(drops)
+    assert int(drops) >= 1
     # 1 -> 4: the one-process state loaded on 4 ranks gives the one-process outputs.
     m4 = _ep_model(ep4)
     assert m4.num_local_experts == 2 and m4.local_expert_offset == 2 * rank
@@ -185,8 +192,8 @@ def _worker(rank, port, errors):
         _check_checkpoints(rank, groups)
         _check_training(rank, groups)
         _check_average(rank, groups[2])
-        with pytest.raises(ValueError, match="capacity_factor: token dropping runs on one device only"):
-            MoE(**LAYER, capacity_factor=1.0, ep_group=dist.group.WORLD)
+        with pytest.raises(ValueError, match="pad_to_capacity: one device only"):
+            MoE(**dict(LAYER, pad_to_capacity=True), ep_group=dist.group.WORLD)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:

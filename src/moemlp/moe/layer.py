@@ -91,13 +91,15 @@ class MoE(nn.Module):
             ``moe_expert_capacity_factor``; C is a host int from shapes, so no host sync); a dropped
             slot adds 0 to its token and gets 0 gradient, its probability included. The other slots'
             probabilities are not renormalised; aux losses and expert-bias counts see the routing
-            before dropping. One device only for now (ValueError with ``ep_group``).
+            before dropping. With ``ep_group`` each rank drops from its own tokens (C from its T) and
+            sends only the kept rows.
         drop_policy: which slots an over-full expert keeps: "probs" (the highest probabilities,
             ties to the earlier token) or "position" (the earliest tokens); Megatron-Core's
             ``moe_token_drop_policy``.
         pad_to_capacity: the experts' input is E·C + 1 rows whatever the routing (Megatron-Core's
             ``moe_pad_expert_input_to_capacity``): a static shape; the padding rows are grouped_mlp's
-            capacity rows (past Σsplits), which are not computed. Needs ``capacity_factor``.
+            capacity rows (past Σsplits), which are not computed. Needs ``capacity_factor``; one
+            device only (the all-to-all sizes stay data-dependent with ``ep_group``).
         device, dtype: of the expert weights; x must have this dtype. The router is fp32.
     """
 
@@ -182,9 +184,10 @@ class MoE(nn.Module):
             raise TypeError(f"pad_to_capacity: expected a bool, got {type(pad_to_capacity).__name__}")
         if pad_to_capacity and capacity_factor is None:
             raise ValueError("pad_to_capacity: needs a capacity_factor (None drops nothing and pads nothing)")
-        if capacity_factor is not None and ep_size > 1:
+        if pad_to_capacity and ep_size > 1:
             raise ValueError(
-                f"capacity_factor: token dropping runs on one device only for now, got an ep_group of size {ep_size}"
+                f"pad_to_capacity: one device only (the expert-parallel path sends the kept rows), got an "
+                f"ep_group of size {ep_size}"
             )
         self.hidden_size = hidden_size
         self.num_experts = num_experts
@@ -289,17 +292,18 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, self.hidden_size).contiguous()  # copies only a non-contiguous x
         triton = use_triton(self.backend, tokens.device)
         probs, expert_idx = self.router(tokens)
+        plan = None
+        if self.capacity_factor is not None:
+            # This rank's tokens: with ep_group each rank drops from its own T, as Megatron-Core does.
+            capacity = expert_capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+            plan = plan_dispatch_with_capacity(
+                expert_idx, probs, self.num_experts, capacity, self.drop_policy, self.pad_to_capacity
+            )
         if self.ep_group is None:
-            plan = None
-            if self.capacity_factor is not None:
-                capacity = expert_capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
-                plan = plan_dispatch_with_capacity(
-                    expert_idx, probs, self.num_experts, capacity, self.drop_policy, self.pad_to_capacity
-                )
             y, _ = local_moe_forward(tokens, probs, expert_idx, self.num_experts, run_experts, triton, plan=plan)
         else:
             y = expert_parallel_moe_forward(
-                tokens, probs, expert_idx, self.num_experts, run_experts, self.ep_group, triton
+                tokens, probs, expert_idx, self.num_experts, run_experts, self.ep_group, triton, plan=plan
             )
         if self.shared_experts is not None:
             y = y + self._shared_forward(tokens, is_first_microbatch)
