@@ -80,7 +80,7 @@ def plain_moe(x, p, cfg):
 
     counts = F.one_hot(idx, E).sum((0, 1)).to(x.dtype)
     s = scores if cfg["score"] == "softmax" else scores / scores.sum(-1, keepdim=True)
-    aux = cfg.get("aux_loss_coeff", 0.0) * E / (k * T * T) * (s.sum(0) * counts).sum()
+    aux = cfg.get("aux_loss_coeff", 0.0) * E / (k * max(T, 1) ** 2) * (s.sum(0) * counts).sum()
     return y, aux
 
 
@@ -226,6 +226,22 @@ def test_roomy_capacity_and_padding_give_the_dropless_bits():
         got += torch.autograd.grad(got[0], [x] + list(moe.parameters()), dy)
         for a, b in zip(got, want):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("T", [0, 1])
+@pytest.mark.parametrize("extra", [dict(capacity_factor=1.0), dict(capacity_factor=1.0, pad_to_capacity=True),
+                                   dict(num_shared_experts=1, shared_expert_gate=True)], ids=["drop", "pad", "shared"])
+def test_no_tokens_and_one_token(T, extra):
+    # T = 0: an empty output and gradient; T = 1 with capacity ceil(2/8) = 1: nothing dropped.
+    cfg = dict(top_k=2, score="softmax", **extra)
+    moe = _build(8, 8, 8, cfg)
+    x = torch.randn(T, 8, dtype=torch.float64, requires_grad=True)
+    y = moe(x)
+    p = _params(moe)
+    (dx,) = torch.autograd.grad(y.sum(), [x])
+    ref, _ = plain_moe(x.detach(), {n: t.detach() for n, t in p.items()}, cfg)
+    assert y.shape == (T, 8) and dx.shape == (T, 8)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_shared_gate_probs_stay_fp32_in_a_bf16_layer():

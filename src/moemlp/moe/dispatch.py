@@ -151,7 +151,7 @@ def plan_dispatch_with_capacity(
     ends = torch.searchsorted(sorted_key, experts, right=True)
     splits = torch.diff(ends, prepend=ends.new_zeros(1))
     row_of = torch.empty_like(perm).scatter_(0, perm, slots)
-    if pad_to_capacity:
+    if pad_to_capacity and num_slots:  # no tokens: no slot to read a zero row, and no token to gather
         num_rows = num_experts * capacity + 1
         # Kept rows (< E·capacity + 1 <= num_rows) keep their place; the rest are capacity rows.
         if num_rows <= num_slots:
