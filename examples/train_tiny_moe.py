@@ -9,6 +9,11 @@ and position embeddings, two pre-norm blocks of causal self-attention + ``moemlp
 experts, top-2, SwiGLU, fp32 router with Megatron-Core's load-balancing aux loss, which reaches the
 router through ``loss.backward()`` on its own), a tied output layer.
 
+The layer's options for current MoE families are flags: ``--shared-experts 2 --shared-ffn 64
+--shared-gate`` (DeepSeek-V3 / Qwen2-MoE shared experts), ``--score sigmoid --num-groups 4
+--topk-groups 2 --routed-scaling-factor 2.5`` (DeepSeek-V3's group-limited routing),
+``--capacity-factor 1.0 --drop-policy position --pad-to-capacity`` (Megatron-Core token dropping).
+
 ``--backend both`` trains twice from the same initial weights on the same batches, once with the
 torch reference backend and once with the Triton kernels, and reports how far the two loss curves
 are apart. On a CPU the Triton run needs TRITON_INTERPRET=1, which this script sets itself (before
@@ -41,7 +46,27 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", default=None, help="write the loss curve(s) here")
+    m = p.add_argument_group("MoE options (moemlp.moe.MoE arguments)")
+    m.add_argument("--score", default="softmax", choices=["softmax", "sigmoid"])
+    m.add_argument("--shared-experts", type=int, default=0, help="num_shared_experts")
+    m.add_argument("--shared-ffn", type=int, default=None, help="shared_expert_ffn_hidden_size")
+    m.add_argument("--shared-gate", action="store_true", help="shared_expert_gate (Qwen2-MoE)")
+    m.add_argument("--shared-overlap", action="store_true", help="shared_expert_overlap (CUDA side stream)")
+    m.add_argument("--num-groups", type=int, default=None, help="num_groups (DeepSeek-V3 n_group)")
+    m.add_argument("--topk-groups", type=int, default=None, help="topk_groups (DeepSeek-V3 topk_group)")
+    m.add_argument("--routed-scaling-factor", type=float, default=1.0)
+    m.add_argument("--capacity-factor", type=float, default=None, help="drop tokens past this capacity")
+    m.add_argument("--drop-policy", default="probs", choices=["probs", "position"])
+    m.add_argument("--pad-to-capacity", action="store_true")
     return p.parse_args(argv)
+
+
+def moe_options(a) -> dict:
+    """The MoE keyword arguments the flags ask for."""
+    return dict(score=a.score, num_shared_experts=a.shared_experts, shared_expert_ffn_hidden_size=a.shared_ffn,
+                shared_expert_gate=a.shared_gate, shared_expert_overlap=a.shared_overlap, num_groups=a.num_groups, topk_groups=a.topk_groups,
+                routed_scaling_factor=a.routed_scaling_factor, capacity_factor=a.capacity_factor,
+                drop_policy=a.drop_policy, pad_to_capacity=a.pad_to_capacity)
 
 
 args = parse_args() if __name__ == "__main__" else None
@@ -68,7 +93,7 @@ def load_corpus() -> str:
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int, backend: str, device, dtype):
+    def __init__(self, d: int, heads: int, backend: str, device, dtype, moe_kwargs: dict):
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(d, device=device, dtype=dtype)
@@ -76,7 +101,7 @@ class Block(nn.Module):
         self.proj = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
         self.ln2 = nn.LayerNorm(d, device=device, dtype=dtype)
         self.moe = MoE(hidden_size=d, ffn_hidden_size=2 * d, num_experts=8, top_k=2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
-                       backend=backend, device=device, dtype=dtype)
+                       backend=backend, device=device, dtype=dtype, **moe_kwargs)
 
     def forward(self, x):
         B, S, D = x.shape
@@ -87,11 +112,12 @@ class Block(nn.Module):
 
 
 class TinyMoELM(nn.Module):
-    def __init__(self, vocab: int, seq: int, backend: str, device, dtype, d: int = 64, layers: int = 2):
+    def __init__(self, vocab: int, seq: int, backend: str, device, dtype, moe_kwargs: dict, d: int = 64,
+                 layers: int = 2):
         super().__init__()
         self.tok = nn.Embedding(vocab, d, device=device, dtype=dtype)
         self.pos = nn.Parameter(torch.zeros(seq, d, device=device, dtype=dtype))
-        self.blocks = nn.ModuleList(Block(d, 4, backend, device, dtype) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, 4, backend, device, dtype, moe_kwargs) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d, device=device, dtype=dtype)
         nn.init.normal_(self.tok.weight, std=0.02)  # tied output: N(0, 1) rows would give huge logits
 
@@ -104,7 +130,7 @@ class TinyMoELM(nn.Module):
 
 def train(backend: str, data: torch.Tensor, vocab: int, a, device, dtype) -> list[float]:
     torch.manual_seed(a.seed)
-    model = TinyMoELM(vocab, a.seq, backend, device, dtype)
+    model = TinyMoELM(vocab, a.seq, backend, device, dtype, moe_options(a))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
     batches = torch.Generator().manual_seed(a.seed + 1)  # the same batches for every backend
     losses = []

@@ -27,6 +27,7 @@ still permutes: its rows leave for other ranks.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import NamedTuple, Optional
@@ -39,6 +40,9 @@ from .._x_index import RowIndex
 __all__ = [
     "DispatchPlan",
     "plan_dispatch",
+    "plan_dispatch_with_capacity",
+    "expert_capacity",
+    "DROP_POLICIES",
     "permute",
     "permute_probs",
     "row_index",
@@ -51,12 +55,15 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "triton")
+DROP_POLICIES = ("probs", "position")
 
 
 class DispatchPlan(NamedTuple):
+    """M = T·K rows (plan_dispatch); plan_dispatch_with_capacity may lay out another M."""
+
     splits: Tensor  # (E,) int64, rows per expert, on the device
-    src_token: Tensor  # (T·K,) int64, token copied into each permuted row
-    perm: Tensor  # (T·K,) int64, flat slot t·K + k of each permuted row
+    src_token: Tensor  # (M,) int64, token copied into each permuted row
+    perm: Tensor  # (M,) int64, flat slot t·K + k of each permuted row
     row_of: Tensor  # (T, K) int64, permuted row of each (token, k) slot
 
 
@@ -93,6 +100,75 @@ def plan_dispatch(expert_idx: Tensor, num_experts: int) -> DispatchPlan:
     # perm is a permutation: each index written once, so the scatter is deterministic.
     row_of = torch.empty_like(perm).scatter_(0, perm, rows).view(num_tokens, top_k)
     return DispatchPlan(splits, src_token, perm, row_of)
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Rows each expert keeps: ceil(T·k / E · capacity_factor), Megatron-Core's ``get_capacity``;
+    a host int from shapes, never from data."""
+    return math.ceil((num_tokens * top_k / num_experts) * capacity_factor)
+
+
+def plan_dispatch_with_capacity(
+    expert_idx: Tensor,  # (T, K) int64
+    probs: Tensor,  # (T, K) the router probabilities (only their order is used, under "probs")
+    num_experts: int,
+    capacity: int,
+    drop_policy: str = "probs",
+    pad_to_capacity: bool = False,
+) -> DispatchPlan:
+    """Like ``plan_dispatch``, with at most ``capacity`` rows per expert (Megatron-Core's token
+    dropping). No host read; the row count M is a host int from shapes.
+
+    Which (token, k) slots an expert keeps: ``drop_policy="probs"``, the ``capacity`` slots of
+    highest probability (ties: the earlier token); ``"position"``, its first ``capacity`` slots in
+    token order. Kept rows come first, grouped by expert in token order (with nothing dropped,
+    the plan of ``plan_dispatch``); ``splits`` counts only them. The dropped slots' rows lie past
+    Σsplits, the capacity rows of grouped_mlp: their outputs and gradients are 0, so a dropped slot
+    adds 0 to its token and gets 0 gradient, its probability included.
+
+    M = T·K rows, the dropped ones at the end; with ``pad_to_capacity``, M = E·capacity + 1: every
+    expert's capacity is reserved (Megatron-Core's ``moe_pad_expert_input_to_capacity``: a shape that
+    does not depend on the routing), and the one row past E·capacity, never an expert's, is the zero
+    row every dropped slot reads its output from (E·capacity may be fewer than the dropped slots).
+    Rows past Σsplits gather token 0 and probability 0's slot; grouped_mlp does not read them.
+    """
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy: expected one of {list(DROP_POLICIES)}, got {drop_policy!r}")
+    num_tokens, top_k = expert_idx.shape
+    flat = expert_idx.reshape(-1)
+    device = flat.device
+    num_slots = flat.numel()
+    slots = torch.arange(num_slots, device=device, dtype=torch.int64)
+    experts = torch.arange(num_experts, device=device, dtype=flat.dtype)
+
+    # Rank of every slot among its expert's slots, in the policy's order.
+    if drop_policy == "probs":
+        # Stable sorts: by probability (descending), then by expert; ties keep slot = token order.
+        by_prob = torch.sort(probs.detach().reshape(-1), descending=True, stable=True).indices
+        ranked = by_prob[torch.sort(flat[by_prob], stable=True).indices]
+    else:
+        ranked = torch.sort(flat, stable=True).indices
+    ranked_expert = flat[ranked]
+    first = torch.searchsorted(ranked_expert, experts)  # (E,) first ranked slot of each expert
+    rank = torch.empty_like(slots).scatter_(0, ranked, slots - first[ranked_expert])  # a bijection
+    keep = rank < capacity
+
+    # Kept slots grouped by expert (slot order inside), then the dropped ones: key E sorts last.
+    key = torch.where(keep, flat, torch.full_like(flat, num_experts))
+    sorted_key, perm = torch.sort(key, stable=True)
+    ends = torch.searchsorted(sorted_key, experts, right=True)
+    splits = torch.diff(ends, prepend=ends.new_zeros(1))
+    row_of = torch.empty_like(perm).scatter_(0, perm, slots)
+    if pad_to_capacity and num_slots:  # no tokens: no slot to read a zero row, and no token to gather
+        num_rows = num_experts * capacity + 1
+        # Kept rows (< E·capacity + 1 <= num_rows) keep their place; the rest are capacity rows.
+        if num_rows <= num_slots:
+            perm = perm[:num_rows]
+        else:
+            perm = torch.cat((perm, perm.new_zeros(num_rows - num_slots)))
+        row_of = torch.where(keep, row_of, torch.full_like(row_of, num_experts * capacity))
+    src_token = torch.div(perm, top_k, rounding_mode="floor")
+    return DispatchPlan(splits, src_token, perm, row_of.view(num_tokens, top_k))
 
 
 # --- the two gathers, torch and Triton ----------------------------------------------------------
@@ -229,9 +305,12 @@ def local_dispatch(
     expert_idx: Tensor,  # (T, K) int64
     num_experts: int,
     triton: bool,
+    plan: Optional[DispatchPlan] = None,
 ) -> tuple[Tensor, Tensor, Tensor, LocalState]:
-    """Returns (x_perm (T·K, H), splits (E,), probs_perm (T·K,) fp32, state); no host read."""
-    plan = plan_dispatch(expert_idx, num_experts)
+    """Returns (x_perm (M, H), splits (E,), probs_perm (M,) fp32, state); no host read. M = T·K, or
+    what ``plan`` (e.g. from plan_dispatch_with_capacity) lays out; by default plan_dispatch's."""
+    if plan is None:
+        plan = plan_dispatch(expert_idx, num_experts)
     x_perm = permute(x, plan, triton)
     probs_perm = permute_probs(probs, plan)
     return x_perm, plan.splits, probs_perm, LocalState(plan, triton)
@@ -249,10 +328,13 @@ def local_moe_forward(
     num_experts: int,
     experts: ExpertsFn,  # (x, splits, probs_perm, x_index) -> y_perm
     triton: bool,
+    plan: Optional[DispatchPlan] = None,
 ) -> tuple[Tensor, DispatchPlan]:
-    """Dispatch -> experts -> combine on one device; no host read. The experts gather their input
-    rows from x through ``row_index(plan)``: the (T·K, H) permuted copy of x is never made here."""
-    plan = plan_dispatch(expert_idx, num_experts)
+    """Dispatch -> experts -> combine on one device; no host read. ``plan``: see local_dispatch. The
+    experts gather their input rows from x through ``row_index(plan)``: the permuted copy of x is
+    never made here."""
+    if plan is None:
+        plan = plan_dispatch(expert_idx, num_experts)
     probs_perm = permute_probs(probs, plan)
     y_perm = experts(x, plan.splits, probs_perm, row_index(plan))
     return unpermute(y_perm, plan, triton), plan

@@ -21,7 +21,7 @@ is the same on every rank), which NCCL and gloo require.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -114,12 +114,16 @@ def ep_dispatch(
     num_experts: int,  # E, all ranks together
     group,
     triton: bool,
+    plan: Optional[DispatchPlan] = None,
 ) -> tuple[Tensor, Tensor, Tensor, EPState]:
     """Returns (x_local (M, H), splits (E/W,), probs_local (M,) fp32, state): the rows this rank's
-    experts process, grouped by local expert."""
+    experts process, grouped by local expert. ``plan``: by default plan_dispatch's; a
+    plan_dispatch_with_capacity plan (without padding) sends only its Σsplits kept rows: the
+    dropped ones stay here and come back as zeros."""
     W = dist.get_world_size(group)
     E_local = num_experts // W
-    plan = plan_dispatch(expert_idx, num_experts)
+    if plan is None:
+        plan = plan_dispatch(expert_idx, num_experts)
     x_perm = permute(x, plan, triton)  # rows sorted by expert = by destination rank
     probs_perm = permute_probs(probs, plan)
 
@@ -130,6 +134,8 @@ def ep_dispatch(
     # The one host sync: all_to_all_single takes its split sizes as Python ints.
     counts_host = torch.cat((send_counts.sum(1), recv_counts.sum(1))).tolist()
     send_rows, recv_rows = counts_host[:W], counts_host[W:]
+    if sum(send_rows) != x_perm.shape[0]:  # a capacity plan: the dropped rows past Σsplits stay home
+        x_perm, probs_perm = x_perm[: sum(send_rows)], probs_perm[: sum(send_rows)]
 
     x_recv = all_to_all(x_perm, recv_rows, send_rows, group)
     probs_recv = all_to_all(probs_perm, recv_rows, send_rows, group)
@@ -144,6 +150,9 @@ def ep_combine(y_local: Tensor, state: EPState) -> Tensor:
     """(M, H) local expert outputs -> (T, H) this rank's tokens."""
     y_recv = shuffle_rows(y_local, state.recv_from_local, state.local_from_recv, state.triton)
     y_perm = all_to_all(y_recv, state.send_rows, state.recv_rows, state.group)
+    dropped = state.plan.src_token.shape[0] - y_perm.shape[0]
+    if dropped:  # the rows a capacity plan kept home: their outputs are 0
+        y_perm = torch.cat((y_perm, y_perm.new_zeros((dropped,) + tuple(y_perm.shape[1:]))))
     return unpermute(y_perm, state.plan, state.triton)
 
 
@@ -155,6 +164,7 @@ def expert_parallel_moe_forward(
     experts: ExpertsFn,  # this rank's experts: (x_local, splits (E_local,), probs_local) -> y_local
     group,
     triton: bool,
+    plan: Optional[DispatchPlan] = None,
 ) -> Tensor:
-    x_local, splits, probs_local, state = ep_dispatch(x, probs, expert_idx, num_experts, group, triton)
+    x_local, splits, probs_local, state = ep_dispatch(x, probs, expert_idx, num_experts, group, triton, plan)
     return ep_combine(experts(x_local, splits, probs_local), state)

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..modules import GroupedMLP
-from .dispatch import BACKENDS, local_moe_forward, use_triton
+from .dispatch import (
+    BACKENDS,
+    DROP_POLICIES,
+    expert_capacity,
+    local_moe_forward,
+    plan_dispatch_with_capacity,
+    use_triton,
+)
 from .ep import expert_parallel_moe_forward
-from .router import Router, _check_positive_int
+from .router import Router, SharedExpertGate, _check_positive_int
 
 __all__ = ["MoE"]
 
@@ -29,8 +38,14 @@ class MoE(nn.Module):
                                                 inside the expert block, in fp32
         y[t] = Σ_k y_rows[row of (t, k)]        fixed k order, fp32 accumulation, no atomics
 
-    Submodules: ``router`` (``router.weight`` (E, H) fp32, replicated on every rank) and
-    ``experts`` (a ``GroupedMLP`` holding this rank's E/W experts; all E without ``ep_group``).
+        y     += shared_experts(x) [· sigmoid(shared_expert_gate(x))]    with num_shared_experts > 0
+
+    Submodules: ``router`` (``router.weight`` (E, H) fp32, replicated on every rank),
+    ``experts`` (a ``GroupedMLP`` holding this rank's E/W experts; all E without ``ep_group``) and,
+    with shared experts, ``shared_experts`` (a one-expert ``GroupedMLP`` of FFN size
+    num_shared_experts · shared_expert_ffn_hidden_size, replicated) and ``shared_expert_gate``.
+    Replicated parameters see only this rank's tokens: with ``ep_group``, reduce their gradients with
+    ``moemlp.moe.sync_replicated_grads`` before the optimizer step.
 
     Args:
         hidden_size, ffn_hidden_size: H and F of each expert.
@@ -56,6 +71,41 @@ class MoE(nn.Module):
             ``experts.fc1_weight.main_grad`` / ``fc2_weight.main_grad`` (fp32 tensors the caller
             attaches, as Megatron-Core's DDP does) instead of ``.grad``. The router weight is
             fp32 already; its gradient goes to ``.grad`` as usual.
+        num_groups, topk_groups: group-limited routing (DeepSeek-V3's ``n_group``, ``topk_group``):
+            top-k only among the experts of each token's ``topk_groups`` best groups of
+            E/num_groups contiguous experts, a group scored by the sum of its top-2 (bias-corrected)
+            scores. With ``ep_group``, groups are contiguous expert ranges like the ranks' shards;
+            num_groups a multiple of W puts whole groups on ranks, and ``topk_groups`` then bounds the
+            ranks a token is sent to. See moemlp.moe.router.
+        routed_scaling_factor: multiplies the final routed probabilities (DeepSeek-V2/V3), inside
+            the grouped MLP's fp32 probability path like the probabilities themselves.
+        num_shared_experts: always-on experts run on every token beside the routed ones (DeepSeek-V2/V3,
+            Qwen2-MoE, Qwen3-Next); 0 = none. Held as one expert of FFN size
+            num_shared_experts · shared_expert_ffn_hidden_size (the same function as that many
+            experts summed: DeepSeek-V3 builds it the same way) and run by one grouped_mlp call
+            with splits = [T] on the layer's input, same activation, recipe and backend.
+        shared_expert_ffn_hidden_size: F of one shared expert (default: ffn_hidden_size).
+        shared_expert_gate: scale the shared experts' output per token by sigmoid(x @ w), w (1, H)
+            fp32 (Qwen2-MoE); the scale goes in as the grouped MLP's ``probs``: multiplied in fp32
+            inside the fused expert block, exactly like the router probabilities.
+        shared_expert_overlap: on CUDA, run the shared experts on a side stream, issued before the
+            routed path and joined at the final add (Megatron-Core's ``moe_shared_expert_overlap``):
+            they then overlap the dispatch, the expert-parallel all-to-all and its host sync. Their
+            backward runs on that stream too (autograd replays each op's stream). Ignored on CPU.
+        capacity_factor: None (default) drops nothing. Otherwise each expert keeps at most
+            C = ceil(T·k / E · capacity_factor) of this call's (token, k) slots (Megatron-Core's
+            ``moe_expert_capacity_factor``; C is a host int from shapes, so no host sync); a dropped
+            slot adds 0 to its token and gets 0 gradient, its probability included. The other slots'
+            probabilities are not renormalised; aux losses and expert-bias counts see the routing
+            before dropping. With ``ep_group`` each rank drops from its own tokens (C from its T) and
+            sends only the kept rows.
+        drop_policy: which slots an over-full expert keeps: "probs" (the highest probabilities,
+            ties to the earlier token) or "position" (the earliest tokens); Megatron-Core's
+            ``moe_token_drop_policy``.
+        pad_to_capacity: the experts' input is E·C + 1 rows whatever the routing (Megatron-Core's
+            ``moe_pad_expert_input_to_capacity``): a static shape; the padding rows are grouped_mlp's
+            capacity rows (past Σsplits), which are not computed. Needs ``capacity_factor``; one
+            device only (the all-to-all sizes stay data-dependent with ``ep_group``).
         device, dtype: of the expert weights; x must have this dtype. The router is fp32.
     """
 
@@ -78,6 +128,16 @@ class MoE(nn.Module):
         backend: str = "auto",
         recompute_fc1: bool = False,
         accumulate_into_main_grad: bool = False,
+        num_groups: Optional[int] = None,
+        topk_groups: Optional[int] = None,
+        routed_scaling_factor: float = 1.0,
+        num_shared_experts: int = 0,
+        shared_expert_ffn_hidden_size: Optional[int] = None,
+        shared_expert_gate: bool = False,
+        shared_expert_overlap: bool = False,
+        capacity_factor: Optional[float] = None,
+        drop_policy: str = "probs",
+        pad_to_capacity: bool = False,
         device=None,
         dtype=None,
     ):
@@ -104,6 +164,42 @@ class MoE(nn.Module):
                 raise ValueError(
                     f"num_experts: must be divisible by the ep_group size {ep_size}, got {num_experts}"
                 )
+        if isinstance(num_shared_experts, bool) or not isinstance(num_shared_experts, int):
+            raise TypeError(f"num_shared_experts: expected an int, got {type(num_shared_experts).__name__}")
+        if num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts: expected an int >= 0, got {num_shared_experts}")
+        if shared_expert_ffn_hidden_size is not None:
+            _check_positive_int("shared_expert_ffn_hidden_size", shared_expert_ffn_hidden_size)
+        if not isinstance(shared_expert_gate, bool):
+            raise TypeError(f"shared_expert_gate: expected a bool, got {type(shared_expert_gate).__name__}")
+        if not isinstance(shared_expert_overlap, bool):
+            raise TypeError(f"shared_expert_overlap: expected a bool, got {type(shared_expert_overlap).__name__}")
+        if num_shared_experts == 0 and (
+            shared_expert_gate or shared_expert_overlap or shared_expert_ffn_hidden_size is not None
+        ):
+            raise ValueError(
+                "num_shared_experts: shared_expert_gate / shared_expert_overlap / shared_expert_ffn_hidden_size "
+                "need num_shared_experts >= 1, got 0"
+            )
+        if capacity_factor is not None:
+            if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+                raise TypeError(f"capacity_factor: expected None or a float, got {type(capacity_factor).__name__}")
+            if not (0.0 < float(capacity_factor) < math.inf):
+                raise ValueError(f"capacity_factor: expected None or a finite float > 0, got {capacity_factor}")
+            capacity_factor = float(capacity_factor)
+        if not isinstance(drop_policy, str):
+            raise TypeError(f"drop_policy: expected a str, got {type(drop_policy).__name__}")
+        if drop_policy not in DROP_POLICIES:
+            raise ValueError(f"drop_policy: expected one of {list(DROP_POLICIES)}, got {drop_policy!r}")
+        if not isinstance(pad_to_capacity, bool):
+            raise TypeError(f"pad_to_capacity: expected a bool, got {type(pad_to_capacity).__name__}")
+        if pad_to_capacity and capacity_factor is None:
+            raise ValueError("pad_to_capacity: needs a capacity_factor (None drops nothing and pads nothing)")
+        if pad_to_capacity and ep_size > 1:
+            raise ValueError(
+                f"pad_to_capacity: one device only (the expert-parallel path sends the kept rows), got an "
+                f"ep_group of size {ep_size}"
+            )
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
@@ -123,6 +219,9 @@ class MoE(nn.Module):
             expert_bias=expert_bias,
             aux_loss_coeff=aux_loss_coeff,
             z_loss_coeff=z_loss_coeff,
+            num_groups=num_groups,
+            topk_groups=topk_groups,
+            routed_scaling_factor=routed_scaling_factor,
             device=device,
         )
         self.experts = GroupedMLP(
@@ -138,12 +237,47 @@ class MoE(nn.Module):
             device=device,
             dtype=dtype,
         )
+        self.capacity_factor = capacity_factor
+        self.drop_policy = drop_policy
+        self.pad_to_capacity = pad_to_capacity
+        self.num_shared_experts = num_shared_experts
+        self.shared_expert_ffn_hidden_size = shared_expert_ffn_hidden_size or ffn_hidden_size
+        if num_shared_experts:
+            self.shared_experts = GroupedMLP(
+                num_experts=1,
+                hidden_size=hidden_size,
+                ffn_hidden_size=num_shared_experts * self.shared_expert_ffn_hidden_size,
+                activation=activation,
+                activation_params=activation_params,
+                recipe=recipe,
+                backend=backend,
+                recompute_fc1=recompute_fc1,
+                accumulate_into_main_grad=accumulate_into_main_grad,
+                device=device,
+                dtype=dtype,
+            )
+        else:
+            self.shared_experts = None
+        self.shared_expert_gate = SharedExpertGate(hidden_size, device=device) if shared_expert_gate else None
+        self.shared_expert_overlap = shared_expert_overlap
+        self._side_streams: dict = {}  # CUDA device -> the shared experts' stream, made at first use
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The parameters every expert-parallel rank holds in full (router, shared experts, their
+        gate), in a fixed order: what ``sync_replicated_grads`` reduces over ``ep_group``."""
+        params = [self.router.weight]
+        for module in (self.shared_experts, self.shared_expert_gate):
+            if module is not None:
+                params.extend(p for p in module.parameters())
+        return params
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, ep_size={self.ep_size}, "
             f"local_experts=[{self.local_expert_offset}, "
             f"{self.local_expert_offset + self.num_local_experts}), backend={self.backend!r}"
+            + (f", capacity_factor={self.capacity_factor}, drop_policy={self.drop_policy!r}, "
+               f"pad_to_capacity={self.pad_to_capacity}" if self.capacity_factor is not None else "")
         )
 
     def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
@@ -171,10 +305,43 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, self.hidden_size).contiguous()  # copies only a non-contiguous x
         triton = use_triton(self.backend, tokens.device)
         probs, expert_idx = self.router(tokens)
+        shared, side = None, None
+        if self.shared_experts is not None and self.shared_expert_overlap and tokens.is_cuda:
+            # Issued first, on its own stream: nothing of the routed path waits for it until the add.
+            side = self._side_stream(tokens.device)
+            side.wait_stream(torch.cuda.current_stream(tokens.device))  # tokens written
+            with torch.cuda.stream(side):
+                shared = self._shared_forward(tokens, is_first_microbatch)
+        plan = None
+        if self.capacity_factor is not None:
+            # This rank's tokens: with ep_group each rank drops from its own T, as Megatron-Core does.
+            capacity = expert_capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+            plan = plan_dispatch_with_capacity(
+                expert_idx, probs, self.num_experts, capacity, self.drop_policy, self.pad_to_capacity
+            )
         if self.ep_group is None:
-            y, _ = local_moe_forward(tokens, probs, expert_idx, self.num_experts, run_experts, triton)
+            y, _ = local_moe_forward(tokens, probs, expert_idx, self.num_experts, run_experts, triton, plan=plan)
         else:
             y = expert_parallel_moe_forward(
-                tokens, probs, expert_idx, self.num_experts, run_experts, self.ep_group, triton
+                tokens, probs, expert_idx, self.num_experts, run_experts, self.ep_group, triton, plan=plan
             )
+        if side is not None:
+            main = torch.cuda.current_stream(tokens.device)
+            main.wait_stream(side)
+            shared.record_stream(main)  # made on the side stream, read on this one: keep it until then
+            y = y + shared
+        elif self.shared_experts is not None:
+            y = y + self._shared_forward(tokens, is_first_microbatch)
         return y.view(x.shape)
+
+    def _side_stream(self, device: torch.device):
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device=device)
+        return self._side_streams[device]
+
+    def _shared_forward(self, tokens: Tensor, is_first_microbatch: Optional[bool]) -> Tensor:
+        """Every token through the shared experts: one grouped_mlp call, one expert, splits = [T]
+        (a device tensor filled from the shape: no host sync), probs = the gate's fp32 sigmoid or None."""
+        splits = torch.full((1,), tokens.shape[0], dtype=torch.int64, device=tokens.device)
+        gate = self.shared_expert_gate(tokens) if self.shared_expert_gate is not None else None
+        return self.shared_experts(tokens, splits, gate, is_first_microbatch=is_first_microbatch)

@@ -8,6 +8,19 @@ Semantics follow Megatron-Core's ``TopKRouter`` (``moe_router_dtype="fp32"``):
     expert_idx = topk(scores + expert_bias, k)                     bias only selects (DeepSeek-V3)
     probs = scores.gather(expert_idx)                              (T, k) fp32
     probs = probs / probs.sum(-1)      normalize_topk=True         (+1e-20 for sigmoid)
+    probs = probs · routed_scaling_factor                          (DeepSeek-V2/V3; default 1)
+
+Group-limited routing (DeepSeek-V3's ``n_group`` / ``topk_group``: ``num_groups`` /
+``topk_groups``): the E experts form ``num_groups`` contiguous groups of E/num_groups; each group is
+scored by the sum of its two highest selection scores (``scores + expert_bias``); the top-k is then
+taken only among the experts of the ``topk_groups`` best groups. Experts of the other groups are
+never selected (masked with -inf, as DeepSeek-V3's inference code and Megatron-Core do;
+transformers' port masks with 0.0, which differs only when every bias-corrected score of the
+chosen groups is negative). The probabilities themselves are unchanged: only the selection is
+limited. With expert parallelism the groups are contiguous ranges of global experts, as the ranks'
+experts are: with ``num_groups`` a multiple of the EP size, group g lives on rank
+g // (num_groups / W), so ``topk_groups`` bounds the number of ranks each token is sent to
+(DeepSeek-V3's node-limited routing: 8 groups on 8 nodes, 4 chosen).
 
 Auxiliary losses, Megatron-Core's formulas, computed on this call's tokens:
 
@@ -31,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["Router", "SCORES"]
+__all__ = ["Router", "SharedExpertGate", "SCORES"]
 
 SCORES = ("softmax", "sigmoid")
 
@@ -73,6 +86,28 @@ def _check_coeff(name: str, value) -> float:
     return value
 
 
+def _keeping_fp32(fn):
+    """``fn`` (a module cast) that moves fp32 tensors to its device but leaves their dtype fp32."""
+
+    def keep_fp32(t: Tensor) -> Tensor:
+        out = fn(t)
+        if t.dtype == torch.float32 and out.dtype != torch.float32 and out.is_floating_point():
+            return t.to(device=out.device)  # the device move without the dtype cast
+        return out
+
+    return keep_fp32
+
+
+def _check_fp32_weight(name: str, weight: Tensor) -> None:
+    if weight.dtype != torch.float32:
+        # Module casts (.to, .half, .bfloat16) keep the weight fp32 (_keeping_fp32); this is a
+        # weight swapped in by something else, e.g. FSDP's mixed-precision parameter cast.
+        raise TypeError(
+            f"{name}: the router computes in fp32 and needs an fp32 weight, got {weight.dtype}; "
+            f"keep it fp32 (with FSDP, give the router a MixedPrecisionPolicy(param_dtype=torch.float32))"
+        )
+
+
 class Router(nn.Module):
     """Linear gate (E, H) in fp32, top-k selection, fp32 probabilities.
 
@@ -91,6 +126,9 @@ class Router(nn.Module):
         expert_bias: bool = False,
         aux_loss_coeff: float = 0.0,
         z_loss_coeff: float = 0.0,
+        num_groups: Optional[int] = None,
+        topk_groups: Optional[int] = None,
+        routed_scaling_factor: float = 1.0,
         device=None,
     ):
         super().__init__()
@@ -105,8 +143,37 @@ class Router(nn.Module):
             raise TypeError(f"normalize_topk: expected a bool, got {type(normalize_topk).__name__}")
         if not isinstance(expert_bias, bool):
             raise TypeError(f"expert_bias: expected a bool, got {type(expert_bias).__name__}")
+        if (num_groups is None) != (topk_groups is None):
+            raise ValueError(
+                f"num_groups, topk_groups: give both or neither, got num_groups={num_groups!r}, "
+                f"topk_groups={topk_groups!r}"
+            )
+        if num_groups is not None:
+            _check_positive_int("num_groups", num_groups)
+            _check_positive_int("topk_groups", topk_groups)
+            if num_experts % num_groups:
+                raise ValueError(f"num_groups: must divide num_experts ({num_experts}), got {num_groups}")
+            if num_experts // num_groups < 2:
+                raise ValueError(
+                    f"num_groups: each group needs >= 2 experts (a group's score is the sum of its top-2 "
+                    f"scores), got {num_groups} groups of {num_experts} experts"
+                )
+            if topk_groups > num_groups:
+                raise ValueError(f"topk_groups: must be <= num_groups ({num_groups}), got {topk_groups}")
+            if top_k > topk_groups * (num_experts // num_groups):
+                raise ValueError(
+                    f"top_k: must be <= topk_groups · experts per group = "
+                    f"{topk_groups * (num_experts // num_groups)}, got {top_k}"
+                )
+        if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
+            raise TypeError(f"routed_scaling_factor: expected a float, got {type(routed_scaling_factor).__name__}")
+        if not (0.0 < float(routed_scaling_factor) < float("inf")):
+            raise ValueError(f"routed_scaling_factor: expected a finite float > 0, got {routed_scaling_factor}")
         self.score = score
         self.normalize_topk = normalize_topk
+        self.num_groups = num_groups
+        self.topk_groups = topk_groups
+        self.routed_scaling_factor = float(routed_scaling_factor)
         self.aux_loss_coeff = _check_coeff("aux_loss_coeff", aux_loss_coeff)
         self.z_loss_coeff = _check_coeff("z_loss_coeff", z_loss_coeff)
         self.loss_scale = 1.0  # gradient fed to the aux losses in backward (see module docstring)
@@ -130,14 +197,7 @@ class Router(nn.Module):
     def _apply(self, fn, recurse=True):
         """Module casts move the router's tensors but keep them fp32: ``model.to(torch.bfloat16)``,
         ``.half()`` and ``.bfloat16()`` would otherwise round the gate weight, and the logits with it."""
-
-        def keep_fp32(t: Tensor) -> Tensor:
-            out = fn(t)
-            if t.dtype == torch.float32 and out.dtype != torch.float32 and out.is_floating_point():
-                return t.to(device=out.device)  # the device move without the dtype cast
-            return out
-
-        return super()._apply(keep_fp32, recurse)
+        return super()._apply(_keeping_fp32(fn), recurse)
 
     def extra_repr(self) -> str:
         return (
@@ -145,6 +205,8 @@ class Router(nn.Module):
             f"score={self.score!r}, normalize_topk={self.normalize_topk}, "
             f"expert_bias={self.expert_bias is not None}, aux_loss_coeff={self.aux_loss_coeff}, "
             f"z_loss_coeff={self.z_loss_coeff}"
+            + (f", num_groups={self.num_groups}, topk_groups={self.topk_groups}" if self.num_groups else "")
+            + (f", routed_scaling_factor={self.routed_scaling_factor}" if self.routed_scaling_factor != 1.0 else "")
         )
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -154,13 +216,7 @@ class Router(nn.Module):
             raise TypeError(f"x: expected a floating-point tensor, got {x.dtype}")
         if x.device != self.weight.device:
             raise TypeError(f"x: expected device {self.weight.device}, got {x.device}")
-        if self.weight.dtype != torch.float32:
-            # Module casts (.to, .half, .bfloat16) keep the weight fp32 (_apply below); this is a
-            # weight swapped in by something else, e.g. FSDP's mixed-precision parameter cast.
-            raise TypeError(
-                f"router.weight: the router computes in fp32 and needs an fp32 weight, got {self.weight.dtype}; "
-                f"keep it fp32 (with FSDP, give the router a MixedPrecisionPolicy(param_dtype=torch.float32))"
-            )
+        _check_fp32_weight("router.weight", self.weight)
         num_tokens = x.shape[0]
         E, k = self.num_experts, self.top_k
 
@@ -171,14 +227,18 @@ class Router(nn.Module):
             scores = torch.softmax(logits, dim=-1)
         else:
             scores = torch.sigmoid(logits)
+        selection = scores.detach()
         if self.expert_bias is not None:
-            _, expert_idx = torch.topk(scores.detach() + self.expert_bias, k, dim=-1)
-        else:
-            _, expert_idx = torch.topk(scores, k, dim=-1)
+            selection = selection + self.expert_bias
+        if self.num_groups is not None:
+            selection = self._limit_to_groups(selection)
+        _, expert_idx = torch.topk(selection, k, dim=-1)
         probs = scores.gather(1, expert_idx)
         if self.normalize_topk:
             denom = probs.sum(-1, keepdim=True)
             probs = probs / (denom + 1e-20 if self.score == "sigmoid" else denom)
+        if self.routed_scaling_factor != 1.0:
+            probs = probs * self.routed_scaling_factor
 
         counts = None
         if self.aux_loss_coeff > 0 or (self.expert_bias is not None and self.training):
@@ -206,6 +266,16 @@ class Router(nn.Module):
             probs = _AttachLoss.apply(probs, z_loss, self.loss_scale)
         return probs, expert_idx
 
+    def _limit_to_groups(self, selection: Tensor) -> Tensor:
+        """(T, E) selection scores with the experts outside each token's ``topk_groups`` best groups
+        set to -inf; a group's score is the sum of its two highest selection scores (DeepSeek-V3)."""
+        num_tokens = selection.shape[0]
+        grouped = selection.view(num_tokens, self.num_groups, -1)  # (T, G, E/G), groups contiguous
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, G)
+        best = group_scores.topk(self.topk_groups, dim=-1).indices  # (T, topk_groups)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(num_tokens, -1)
+
     @torch.no_grad()
     def update_expert_bias(self, update_rate: float = 1e-3, group=None) -> None:
         """DeepSeek-V3's aux-loss-free balancing step (Megatron-Core's ``get_updated_expert_bias``):
@@ -221,3 +291,35 @@ class Router(nn.Module):
         offset = counts.mean() - counts
         self.expert_bias += torch.sign(offset) * update_rate
         counts.zero_()
+
+
+class SharedExpertGate(nn.Module):
+    """Qwen2-MoE's shared-expert gate: ``sigmoid(x @ weight.T)``, one fp32 scale per token.
+
+    ``weight`` (1, H) is fp32 and stays fp32 under module casts, like the router's. ``forward(x)``
+    with x (T, H) of any float dtype returns (T,) fp32: the ``probs`` of the shared experts' grouped
+    MLP call, which multiplies them inside the expert block in fp32 (SPEC §1) exactly as it does the
+    router probabilities; its fp32 dprobs flows back into this weight.
+    """
+
+    def __init__(self, hidden_size: int, *, device=None):
+        super().__init__()
+        self.hidden_size = _check_positive_int("hidden_size", hidden_size)
+        self.weight = nn.Parameter(torch.empty(1, hidden_size, device=device, dtype=torch.float32))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+    def _apply(self, fn, recurse=True):
+        return super()._apply(_keeping_fp32(fn), recurse)
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"x: expected shape (T, {self.hidden_size}), got {tuple(x.shape)}")
+        _check_fp32_weight("shared_expert_gate.weight", self.weight)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return torch.sigmoid(x.float() @ self.weight.t()).view(-1)  # (T,) fp32
