@@ -365,9 +365,11 @@ def _run(module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tens
     x = hidden_states.to(dtype)  # (T, H)
     params = dict(m.activation_params)
 
-    def experts(rows: Tensor, splits: Tensor, probs_perm: Tensor) -> Tensor:
+    def experts(rows: Tensor, splits: Tensor, probs_perm: Tensor, x_index=None) -> Tensor:
+        # rows is x itself and x_index picks each expert-input row from it (no permuted copy of x).
         return grouped_mlp(
             rows, splits, probs_perm, fc1, fc2, fc1_bias, fc2_bias,
+            x_index=x_index,
             activation=m.activation,
             activation_params=params,
             glu_interleave=m.glu_interleave,
