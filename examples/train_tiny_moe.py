@@ -51,7 +51,6 @@ def parse_args(argv=None):
     m.add_argument("--shared-experts", type=int, default=0, help="num_shared_experts")
     m.add_argument("--shared-ffn", type=int, default=None, help="shared_expert_ffn_hidden_size")
     m.add_argument("--shared-gate", action="store_true", help="shared_expert_gate (Qwen2-MoE)")
-    m.add_argument("--shared-overlap", action="store_true", help="shared_expert_overlap (CUDA side stream)")
     m.add_argument("--num-groups", type=int, default=None, help="num_groups (DeepSeek-V3 n_group)")
     m.add_argument("--topk-groups", type=int, default=None, help="topk_groups (DeepSeek-V3 topk_group)")
     m.add_argument("--routed-scaling-factor", type=float, default=1.0)
@@ -64,7 +63,7 @@ def parse_args(argv=None):
 def moe_options(a) -> dict:
     """The MoE keyword arguments the flags ask for."""
     return dict(score=a.score, num_shared_experts=a.shared_experts, shared_expert_ffn_hidden_size=a.shared_ffn,
-                shared_expert_gate=a.shared_gate, shared_expert_overlap=a.shared_overlap, num_groups=a.num_groups, topk_groups=a.topk_groups,
+                shared_expert_gate=a.shared_gate, num_groups=a.num_groups, topk_groups=a.topk_groups,
                 routed_scaling_factor=a.routed_scaling_factor, capacity_factor=a.capacity_factor,
                 drop_policy=a.drop_policy, pad_to_capacity=a.pad_to_capacity)
 

@@ -136,8 +136,9 @@ CASES = [
 def _reference(a, b, splits, M):
     """float64 C[R_e] = A[R_e] @ B[e]ᵀ with the kernel's clamping of splits; capacity rows 0."""
     rows = splits.to(torch.int64).clamp(0, M)
-    ends = rows.cumsum(0).clamp(max=M)
-    starts = (ends - rows).clamp(min=0, max=M)
+    cum = rows.cumsum(0)
+    ends = cum.clamp(max=M)
+    starts = (cum - rows).clamp(max=M)  # from the unclamped sum: experts past M start at M, not before
     out = torch.zeros(M, b.shape[1], dtype=torch.float64, device=a.device)
     for e in range(b.shape[0]):  # per expert, not per token
         s, t = int(starts[e]), int(ends[e])

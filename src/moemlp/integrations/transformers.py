@@ -230,6 +230,12 @@ def _resolve(module) -> ExpertsMapping:
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _act_id(module):
+    # torch 2.11's dynamo cannot trace id(None): a gate-less module has no act_fn.
+    act = getattr(module, "act_fn", None)
+    return None if act is None else id(act)
+
+
 def _signature(module) -> tuple:
     fc1 = getattr(module, "gate_up_proj", None)
     if fc1 is None:
@@ -242,7 +248,7 @@ def _signature(module) -> tuple:
         getattr(module, "has_bias", False),
         tuple(getattr(module, flag, default) for flag, default in _OTHER_FLAGS.items()),
         getattr(type(module), "_apply_gate", None),
-        id(getattr(module, "act_fn", None)),
+        _act_id(module),
         tuple(getattr(module, a, None) for a in _LIMIT_ATTRS + _ALPHA_ATTRS),
         tuple(getattr(getattr(getattr(module, "act_fn", None), cap, None), "softcap", None)
               for cap in ("gate_softcap", "up_softcap")),

@@ -88,10 +88,6 @@ class MoE(nn.Module):
         shared_expert_gate: scale the shared experts' output per token by sigmoid(x @ w), w (1, H)
             fp32 (Qwen2-MoE); the scale goes in as the grouped MLP's ``probs``: multiplied in fp32
             inside the fused expert block, exactly like the router probabilities.
-        shared_expert_overlap: on CUDA, run the shared experts on a side stream, issued before the
-            routed path and joined at the final add (Megatron-Core's ``moe_shared_expert_overlap``):
-            they then overlap the dispatch, the expert-parallel all-to-all and its host sync. Their
-            backward runs on that stream too (autograd replays each op's stream). Ignored on CPU.
         capacity_factor: None (default) drops nothing. Otherwise each expert keeps at most
             C = ceil(T·k / E · capacity_factor) of this call's (token, k) slots (Megatron-Core's
             ``moe_expert_capacity_factor``; C is a host int from shapes, so no host sync); a dropped
@@ -134,7 +130,6 @@ class MoE(nn.Module):
         num_shared_experts: int = 0,
         shared_expert_ffn_hidden_size: Optional[int] = None,
         shared_expert_gate: bool = False,
-        shared_expert_overlap: bool = False,
         capacity_factor: Optional[float] = None,
         drop_policy: str = "probs",
         pad_to_capacity: bool = False,
@@ -172,13 +167,11 @@ class MoE(nn.Module):
             _check_positive_int("shared_expert_ffn_hidden_size", shared_expert_ffn_hidden_size)
         if not isinstance(shared_expert_gate, bool):
             raise TypeError(f"shared_expert_gate: expected a bool, got {type(shared_expert_gate).__name__}")
-        if not isinstance(shared_expert_overlap, bool):
-            raise TypeError(f"shared_expert_overlap: expected a bool, got {type(shared_expert_overlap).__name__}")
         if num_shared_experts == 0 and (
-            shared_expert_gate or shared_expert_overlap or shared_expert_ffn_hidden_size is not None
+            shared_expert_gate or shared_expert_ffn_hidden_size is not None
         ):
             raise ValueError(
-                "num_shared_experts: shared_expert_gate / shared_expert_overlap / shared_expert_ffn_hidden_size "
+                "num_shared_experts: shared_expert_gate / shared_expert_ffn_hidden_size "
                 "need num_shared_experts >= 1, got 0"
             )
         if capacity_factor is not None:
@@ -259,8 +252,6 @@ class MoE(nn.Module):
         else:
             self.shared_experts = None
         self.shared_expert_gate = SharedExpertGate(hidden_size, device=device) if shared_expert_gate else None
-        self.shared_expert_overlap = shared_expert_overlap
-        self._side_streams: dict = {}  # CUDA device -> the shared experts' stream, made at first use
 
     def replicated_parameters(self) -> list[nn.Parameter]:
         """The parameters every expert-parallel rank holds in full (router, shared experts, their
@@ -305,13 +296,6 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, self.hidden_size).contiguous()  # copies only a non-contiguous x
         triton = use_triton(self.backend, tokens.device)
         probs, expert_idx = self.router(tokens)
-        shared, side = None, None
-        if self.shared_experts is not None and self.shared_expert_overlap and tokens.is_cuda:
-            # Issued first, on its own stream: nothing of the routed path waits for it until the add.
-            side = self._side_stream(tokens.device)
-            side.wait_stream(torch.cuda.current_stream(tokens.device))  # tokens written
-            with torch.cuda.stream(side):
-                shared = self._shared_forward(tokens, is_first_microbatch)
         plan = None
         if self.capacity_factor is not None:
             # This rank's tokens: with ep_group each rank drops from its own T, as Megatron-Core does.
@@ -325,19 +309,9 @@ class MoE(nn.Module):
             y = expert_parallel_moe_forward(
                 tokens, probs, expert_idx, self.num_experts, run_experts, self.ep_group, triton, plan=plan
             )
-        if side is not None:
-            main = torch.cuda.current_stream(tokens.device)
-            main.wait_stream(side)
-            shared.record_stream(main)  # made on the side stream, read on this one: keep it until then
-            y = y + shared
-        elif self.shared_experts is not None:
+        if self.shared_experts is not None:
             y = y + self._shared_forward(tokens, is_first_microbatch)
         return y.view(x.shape)
-
-    def _side_stream(self, device: torch.device):
-        if device not in self._side_streams:
-            self._side_streams[device] = torch.cuda.Stream(device=device)
-        return self._side_streams[device]
 
     def _shared_forward(self, tokens: Tensor, is_first_microbatch: Optional[bool]) -> Tensor:
         """Every token through the shared experts: one grouped_mlp call, one expert, splits = [T]
