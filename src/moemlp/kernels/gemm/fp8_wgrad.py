@@ -1,14 +1,13 @@
 """The native fp8_block weight-gradient grouped GEMM (SPEC §3): e4m3 operands on Hopper's FP8 tensor
 cores, block scales applied by promoting each 128-deep partial sum into an fp32 accumulator
-(DeepGEMM's scheme, as in _fp8_gemm.py).
+(DeepGEMM's scheme, as the FP8 mode of grouped.py).
 
     dW[e] = G[R_e]ᵀ @ X[R_e]            for every expert e, R_e its rows; (E, N, K)
 
     G: (T, N) gradient rows, X: (T, K) activation rows, both grouped by expert and quantized along
-       the rows (the reduction dim) in 1×128 blocks that restart at each expert's first row:
-       ``quantize_wgrad(t, splits, recipe, is_grad)`` (kernels.quantize, Triton) or
-       ``recipe.quantize_wgrad`` (torch), the expert-aligned padded layout of recipes.ExpertRows:
-       codes (P, ·) e4m3 with P = (⌈T/128⌉ + E)·128, expert e's rows from
+       the rows (the reduction dim) in 1×128 blocks that restart at each expert's first row by
+       ``quantize_wgrad(t, splits, recipe, is_grad, transposed=True)``, the expert-aligned padded
+       layout of recipes.ExpertRows: P = (⌈T/128⌉ + E)·128 padded rows, expert e's rows from
        padded_start[e] = Σ_{e'<e} ⌈s_e'/128⌉·128, padding rows code 0; scales fp32 (P/128, ·),
        the dequantization scale of each 128-row block and column.
 
@@ -24,34 +23,27 @@ cores: the promotion, ordinary fp32 round-to-nearest arithmetic. With ``pow2_sca
 default) the scale product is exact. A padding row's codes are 0 in both operands, so it adds 0.
 
 Operand layout. Hopper's FP8 wgmma takes both operands K-major in shared memory (the reduction dim
-contiguous); the quantizer writes (P, N) and (P, K) codes, rows = the reduction dim. The launcher
-takes Gᵀ (N, P) and Xᵀ (K, P): the quantizer's transposed store (``quantize_wgrad(...,
-transposed=True)``, ``QuantizedTensor.codes_t``) where it made one, else (the paragraph below) a torch
-transpose in the launcher (``codes.t().contiguous()``), one more pass: 2·(N + K)·P bytes read and
-written (1.1 GB for mixtral's dW1 at 16k rows; the H200 ran torch's fp8 transposes at ~323 GB/s,
-2026-11-30, so ~3 ms). The scales stay (P/128, ·), read with
-their own strides: row-major (the Triton quantizer's) gives one coalesced (BN,) and one (BK,) vector
-per step; the torch quantizer's column-major view is read as it is (strided, correct, slower).
+contiguous): the launcher takes Gᵀ (N, P) and Xᵀ (K, P), the quantizer's transposed store
+(``codes_t``), written from the tile it holds: a torch transpose would be one more pass of
+2·(N + K)·P bytes (~3 ms for mixtral's dW1 at 16k rows). The scales stay (P/128, ·), row-major: one
+coalesced (BN,) and one (BK,) vector per step.
 
 Tile schedule. One program per (expert, BN × BK output tile), expert-major, with GROUP_N n-tiles
-sharing each Xᵀ k-tile while it sits in L2 (as _grouped_wgrad_kernel). Not persistent: an expert's
-K loop is its own block count (1-4 steps for a small expert, ~T/(128·E) for an average one, 0 for an
-empty one, which stores zeros), so tiles differ in cost by orders of magnitude; a static round-robin
-over a persistent grid would leave SMs idle behind the longest expert, while a plain grid lets the
-hardware block scheduler hand out the next tile to whichever SM finishes first. Within a tile the
-scale vectors of step k+1 are loaded before step k's dot (the sm_90 PTX has the loads before the
-step's wgmma). That was written to hide a suspected ~500 ns scale-load stall; on the H200 the same
-prefetch in the forward fp8 GEMM changed nothing (±5%, 2026-11-30), while removing a (BN,) scale
-vector from the accumulator layout gave +30% there. Here both scales are per column of the output
-(g's per n, x's per k), so both vectors stay: H200, mixtral dW1 with the launcher's transposes,
-10.2 ms against 6.3 ms for moemlp's bf16 wgrad;
-with the quantizer's transposed codes and the 64×128 default, 5.93 ms against 6.15 (2026-11-30).
+sharing each Xᵀ k-tile while it sits in L2 (as wgrad.py). Not persistent: an expert's K loop is its
+own block count (1-4 steps for a small expert, ~T/(128·E) for an average one, 0 for an empty one,
+which stores zeros), so tiles differ in cost by orders of magnitude; a static round-robin over a
+persistent grid would leave SMs idle behind the longest expert, while a plain grid lets the hardware
+block scheduler hand out the next tile to whichever SM finishes first. Within a tile the scale
+vectors of step k+1 are loaded before step k's dot (the sm_90 PTX has the loads before the step's
+wgmma). Both scales are per column of the output (g's per n, x's per k), so both vectors stay in
+the accumulator's layout; with the 64×128 default mixtral's dW1 takes 5.93 ms against 6.15 ms for
+the bf16 wgrad.
 
-Expert offsets come from ``splits`` inside the kernel (``_grouped_gemm._expert_table``, clamped:
-negative → 0 rows, a sum past T truncated at T; no host read, CUDA-graph capturable); with clamped
-splits the blocks used never pass P/128 = ⌈T/128⌉ + E, so bad splits cannot make it read out of
-bounds. Operand tiles come through TMA descriptors (the transposed codes' rows are P bytes, a
-multiple of 128, so always 16-byte aligned; the copy engine zero-fills past N and K) or, with
+Expert offsets come from ``splits`` inside the kernel (common.expert_table, clamped: negative → 0
+rows, a sum past T truncated at T; no host read, CUDA-graph capturable); with clamped splits the
+blocks used never pass P/128 = ⌈T/128⌉ + E, so bad splits cannot make it read out of bounds.
+Operand tiles come through TMA descriptors (the transposed codes' rows are P bytes, a multiple of
+128, so always 16-byte aligned; the copy engine zero-fills past N and K) or, with
 ``USE_TMA=False``, through masked pointer loads.
 """
 
@@ -64,15 +56,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._grouped_gemm import INTERPRET, TensorDescriptor, _e_block, _expert_table, _pick, _rounded, _tma_ok
-
-__all__ = ["Fp8WgradConfig", "default_fp8_wgrad_config", "fp8_block_grouped_wgrad", "fp8_block_grouped_wgrad_kmajor"]
+from .common import INTERPRET, TensorDescriptor, e_block, expert_table, pick, rounded, tma_ok
 
 BLOCK = 128  # fp8_block's row block of both wgrad operands: one K step of the reduction
 
 
 @triton.jit
-def _fp8_block_grouped_wgrad_kernel(
+def fp8_wgrad_kernel(
     gt_ptr,  # (N, P) e4m3 codes of Gᵀ, contiguous: padded rows (the reduction) contiguous, K-major
     g_scale_ptr,  # (P/128, N) fp32 dequantization scale of row block b, column n at b·stride_gsb + n·stride_gsn
     xt_ptr,  # (K, P) e4m3 codes of Xᵀ, contiguous
@@ -114,9 +104,9 @@ def _fp8_block_grouped_wgrad_kernel(
 
     # Row blocks per expert = ⌈clamped split / 128⌉; expert e's first block is the exclusive cumsum,
     # which is padded_start[e] / 128 of the quantizer's layout for valid splits.
-    idx, starts, ends, blocks, block_cum = _expert_table(splits_ptr, E, T, E_BLOCK, BR)
-    n_blocks = _pick(idx, blocks, e)
-    first_block = _pick(idx, block_cum - blocks, e)
+    idx, starts, ends, blocks, block_cum = expert_table(splits_ptr, E, T, E_BLOCK, BR)
+    n_blocks = pick(idx, blocks, e)
+    first_block = pick(idx, block_cum - blocks, e)
 
     offs_n = tn * BN + tl.arange(0, BN)
     offs_k = tk * BK + tl.arange(0, BK)
@@ -159,7 +149,7 @@ def _fp8_block_grouped_wgrad_kernel(
 
     # Every output element is stored by exactly one program; an expert with no rows stores zeros.
     out_ptrs = out_ptr + e.to(tl.int64) * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    tl.store(out_ptrs, _rounded(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=n_mask[:, None] & k_mask[None, :])
+    tl.store(out_ptrs, rounded(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=n_mask[:, None] & k_mask[None, :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,8 +167,8 @@ class Fp8WgradConfig:
 
 
 def default_fp8_wgrad_config() -> Fp8WgradConfig:
-    """64×128 at 4 warps and 4 stages: the fastest of eight configs on the H200 (2026-11-30,
-    benchmarks/bench_wgrad_quantizer.py --gemm; dW1 / dW2 of mixtral-8x7b 5.93 / 3.11 ms and of
+    """64×128 at 4 warps and 4 stages: the fastest of eight configs (benchmarks/bench_wgrad_quantizer.py
+    --gemm; dW1 / dW2 of mixtral-8x7b 5.93 / 3.11 ms and of
     deepseek-v3-ep8 3.25 / 1.64 ms, 5-9 % faster than the earlier 128×128 at 8 warps, which was
     an unmeasured guess; moemlp's bf16 wgrad kernel took 6.15 / 3.09 and 3.49 / 1.71 ms). Each step ends in
     ``wgmma.wait_group 0`` (the promotion consumes the product at once), so no MMA overlaps the
@@ -191,115 +181,21 @@ def default_fp8_wgrad_config() -> Fp8WgradConfig:
     return Fp8WgradConfig(64, 128, 4, 4)
 
 
-def _wgrad_parts(q, name: str) -> tuple[Tensor, Tensor, Tensor]:
-    """codes (P, C), scales (P/128, C) and rows (T,) of an fp8_block weight-gradient operand."""
-    for attr in ("codes", "scales", "rows"):
-        if not hasattr(q, attr):
-            raise TypeError(f"{name}: expected a QuantizedTensor from quantize_wgrad, got {type(q).__name__}")
-    codes, scales, rows = q.codes, q.scales, q.rows
-    if rows is None:
-        raise ValueError(
-            f"{name}: expected a weight-gradient operand (quantize_wgrad's padded row layout, .rows set), "
-            "got a forward/dgrad operand"
-        )
-    for t, what in ((codes, "codes"), (scales, "scales"), (rows, "rows")):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name}.{what}: expected a torch.Tensor, got {type(t).__name__}")
-    if codes.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"{name}.codes: expected torch.float8_e4m3fn (fp8_block), got {codes.dtype}")
-    if scales.dtype != torch.float32:
-        raise TypeError(f"{name}.scales: expected fp32 dequantization scales (fp8_block), got {scales.dtype}")
-    if tuple(getattr(q, "block", (BLOCK,))) != (BLOCK,):
-        raise ValueError(f"{name}: expected 1x128 row blocks (fp8_block), got block {tuple(q.block)}")
-    if codes.ndim != 2 or codes.shape[0] % BLOCK:
-        raise ValueError(f"{name}.codes: expected (P, C) with P a multiple of 128, got shape {tuple(codes.shape)}")
-    P, C = codes.shape
-    if tuple(scales.shape) != (P // BLOCK, C):
-        raise ValueError(
-            f"{name}.scales: expected (P/128, C) = {(P // BLOCK, C)} (one per 128-row block and column), "
-            f"got {tuple(scales.shape)}"
-        )
-    if rows.ndim != 1:
-        raise ValueError(f"{name}.rows: expected (T,), got shape {tuple(rows.shape)}")
-    # codes may be a strided view: quantize_wgrad(..., transposed=True) stores only codes_t and gives
-    # codes as its transposed view; without codes_t, _k_major copies whatever layout codes has
-    return codes, scales, rows
-
-
-def _k_major(q, codes: Tensor) -> Tensor:
-    """The (·, P) transposed codes: the quantizer's own (``quantize_wgrad(..., transposed=True)``)
-    when it stored them, else a torch transpose (one more pass over the codes)."""
-    codes_t = getattr(q, "codes_t", None)
-    if codes_t is None:
-        return codes.t().contiguous()
-    if codes_t.dtype != codes.dtype or tuple(codes_t.shape) != tuple(codes.shape[::-1]) or not codes_t.is_contiguous():
-        raise ValueError(f"codes_t: expected a contiguous {tuple(codes.shape[::-1])} {codes.dtype} tensor")
-    return codes_t
-
-
-def fp8_block_grouped_wgrad(
-    g_q,
-    x_q,
-    splits: Tensor,
+def fp8_grouped_wgrad(
+    *,
+    g_t: Tensor,  # (N, P) e4m3 codes of Gᵀ (or their uint8 bits), contiguous
+    g_scales: Tensor,  # (P/128, N) fp32
+    x_t: Tensor,  # (K, P) e4m3 codes of Xᵀ
+    x_scales: Tensor,  # (P/128, K) fp32
+    splits: Tensor,  # (E,) int32/int64 on the device, the splits the operands were quantized with
+    T: int,  # source rows of both operands
     out_dtype: torch.dtype = torch.float32,
     config: Fp8WgradConfig | None = None,
 ) -> Tensor:
-    """dW (E, N, K) in ``out_dtype``: dW[e] = dequant(G)[R_e]ᵀ @ dequant(X)[R_e]; zeros for an expert
-    with no rows.
-
-    g_q: fp8_block QuantizedTensor of the (T, N) gradient from ``quantize_wgrad(g, splits, recipe,
-         is_grad=True)``: codes (P, N) float8_e4m3fn, scales fp32 (P/128, N), rows (T,).
-    x_q: the same of the (T, K) activation, quantized with the same splits (same P and T).
-    splits: (E,) int32/int64 on the operands' device, the splits both operands were quantized with;
-         never read on the host (bad values are clamped in the kernel: see _grouped_gemm). The
-         operands' ``rows`` are not read either: the kernel recomputes the layout from the splits.
-    out_dtype: bf16, fp16 or fp32 (one rounding of the fp32 accumulator in the store).
-
-    The K-major codes come from ``q.codes_t`` when the quantizer stored them
-    (``quantize_wgrad(..., transposed=True)``), else they are transposed here with torch, which
-    allocates (N + K)·P bytes of scratch and costs a pass (module docstring).
-    """
-    g_codes, g_scales, g_rows = _wgrad_parts(g_q, "g_q")
-    x_codes, x_scales, x_rows = _wgrad_parts(x_q, "x_q")
-    P, N = g_codes.shape
-    if x_codes.shape[0] != P:
-        raise ValueError(f"x_q.codes: expected P = {P} padded rows (g_q's), got shape {tuple(x_codes.shape)}")
-    T = g_rows.shape[0]
-    if x_rows.shape[0] != T:
-        raise ValueError(f"x_q.rows: expected T = {T} source rows (g_q's), got {x_rows.shape[0]}")
-    if not isinstance(splits, Tensor) or splits.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"splits: expected an int32/int64 tensor, got {getattr(splits, 'dtype', type(splits))}")
-    if splits.ndim != 1:
-        raise ValueError(f"splits: expected shape (E,), got {tuple(splits.shape)}")
-    E = splits.shape[0]
-    if P != (triton.cdiv(T, BLOCK) + E) * BLOCK:
-        raise ValueError(
-            f"splits: expected the E with P = (ceil(T/128) + E)·128 = {P} (T = {T}) that the operands were "
-            f"quantized with, got E = {E}"
-        )
-    device = g_codes.device
-    for t, what in ((g_scales, "g_q.scales"), (x_codes, "x_q.codes"), (x_scales, "x_q.scales")):
-        if t.device != device:
-            raise TypeError(f"{what}: expected a tensor on {device} (g_q.codes'), got {t.device}")
-    # K-major operands for wgmma: Gᵀ (N, P), Xᵀ (K, P). (T = 0: every expert has no block, so the
-    # kernel reads no code and stores zeros.)
-    return _launch(_k_major(g_q, g_codes), g_scales, _k_major(x_q, x_codes), x_scales, splits, T, out_dtype, config)
-
-
-def fp8_block_grouped_wgrad_kmajor(
-    g_t: Tensor,
-    g_scales: Tensor,
-    x_t: Tensor,
-    x_scales: Tensor,
-    splits: Tensor,
-    T: int,
-    out_dtype: torch.dtype = torch.float32,
-    config: Fp8WgradConfig | None = None,
-) -> Tensor:
-    """``fp8_block_grouped_wgrad`` on operands already in the kernel's form: the transposed codes
-    Gᵀ (N, P) and Xᵀ (K, P) (float8_e4m3fn or their uint8 bits) with their fp32 scales (P/128, N)
-    and (P/128, K), P = (⌈T/128⌉ + E)·128, T the source rows. The grouped MLP's backward passes g_h
-    and z this way, quantized by the FC2_DGRAD epilogue (``_grouped_gemm.WgradCodes``)."""
+    """dW (E, N, K) in ``out_dtype``: dW[e] = dequant(G)[R_e]ᵀ @ dequant(X)[R_e], zeros for an expert
+    with no rows, from the transposed codes Gᵀ (N, P) and Xᵀ (K, P) (float8_e4m3fn or their uint8
+    bits) with their fp32 scales (P/128, N) and (P/128, K), P = (⌈T/128⌉ + E)·128, T the source
+    rows: ``quantize_wgrad(t, splits, recipe, transposed=True)``'s codes_t and scales."""
     for t, what in ((g_t, "g_t"), (x_t, "x_t"), (g_scales, "g_scales"), (x_scales, "x_scales")):
         if not isinstance(t, Tensor) or t.ndim != 2 or not t.is_contiguous():
             raise ValueError(f"{what}: expected a contiguous 2-D tensor")
@@ -333,13 +229,13 @@ def _launch(g_t, g_scales, x_t, x_scales, splits, T, out_dtype, config) -> Tenso
     out = torch.empty((E, N, K), dtype=out_dtype, device=device)
     if out.numel() == 0:
         return out
-    use_tma = _tma_ok(g_t, x_t) if config.USE_TMA is None else config.USE_TMA
-    if use_tma and not _tma_ok(g_t, x_t):
+    use_tma = tma_ok(g_t, x_t) if config.USE_TMA is None else config.USE_TMA
+    if use_tma and not tma_ok(g_t, x_t):
         raise ValueError("config: USE_TMA needs triton's TensorDescriptor and 16-byte aligned code rows")
     g_desc = TensorDescriptor.from_tensor(g_t, [config.BN, BLOCK]) if use_tma else None
     x_desc = TensorDescriptor.from_tensor(x_t, [config.BK, BLOCK]) if use_tma else None
     grid = (E * triton.cdiv(N, config.BN) * triton.cdiv(K, config.BK),)
-    _fp8_block_grouped_wgrad_kernel[grid](
+    fp8_wgrad_kernel[grid](
         g_t, g_scales, x_t, x_scales, g_desc, x_desc, splits, out,
         T, P, N, K, E,
         g_scales.stride(0), g_scales.stride(1), x_scales.stride(0), x_scales.stride(1),
@@ -347,7 +243,7 @@ def _launch(g_t, g_scales, x_t, x_scales, splits, T, out_dtype, config) -> Tenso
         BK=config.BK,
         BR=BLOCK,
         GROUP_N=config.GROUP_N,
-        E_BLOCK=_e_block(E),
+        E_BLOCK=e_block(E),
         INTERPRETED=INTERPRET,
         USE_TMA=use_tma,
         num_warps=config.num_warps,
