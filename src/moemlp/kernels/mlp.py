@@ -161,7 +161,7 @@ def grouped_mlp_bwd(
     inter = x.dtype if r is None else torch.float32
     # the forward's quantization where it kept one, else quantized once, for the dgrad only here
     w1, w2 = operands.dgrad_weights((fc1_weight, fc2_weight), r, saved)
-    blocks = operands.wgrad_blocks(splits, M, r) if need_dw1 or need_dw2 else None
+    blocks = operands.WgradBlocks(splits, M, r)
     if need_g_h or need_dprobs or need_dw2:
         # One FC2 dgrad pass gives every consumer of g_z: dprobs partials, g_h, and round(z) for
         # dW2 (recomputed from h here rather than in the wgrad kernel's prologue).

@@ -90,11 +90,11 @@ class WeightOperand:
 def act(t: Tensor, recipe) -> ActOperand:
     if recipe is None:
         return ActOperand(t)
-    if is_native(recipe):
-        q = kq.quantize(t, recipe, axis=-1)
-        return ActOperand(q.codes, scales=q.scales)
-    values, factor = kq.dequantized(t, recipe, axis=-1, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
-    return ActOperand(values, factor=factor)
+    if not is_native(recipe):
+        values, factor = kq.dequantized(t, recipe, axis=-1, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
+        return ActOperand(values, factor=factor)
+    q = kq.quantize(t, recipe, axis=-1)
+    return ActOperand(q.codes, scales=q.scales)
 
 
 class Weight:
@@ -317,12 +317,18 @@ def gemm(
     )  # fmt: skip
 
 
-def wgrad_blocks(splits: Tensor, num_rows: int, recipe) -> Optional[kq.RowBlocks]:
+class WgradBlocks:
     """The row-block layout that every weight-gradient operand of one backward shares under a recipe
-    (the same splits and rows); None without one."""
-    if recipe is None:
-        return None
-    return kq.row_blocks(splits, num_rows, recipe.block, splits.device)
+    (the same splits and rows: ~12 small torch ops, computed on first use, once)."""
+
+    def __init__(self, splits: Tensor, num_rows: int, recipe):
+        self.splits, self.num_rows, self.recipe = splits, num_rows, recipe
+        self._blocks = None
+
+    def get(self) -> kq.RowBlocks:
+        if self._blocks is None:
+            self._blocks = kq.row_blocks(self.splits, self.num_rows, self.recipe.block, self.splits.device)
+        return self._blocks
 
 
 def wgrad(
@@ -336,7 +342,7 @@ def wgrad(
     bias: Optional[Tensor] = None,  # (E, P): the bias whose gradient to return (its shape and dtype); None: no db
     probs: Optional[Tensor] = None,  # (M,): db = Σ g·probs with scale_bias
     scale_bias: bool = False,
-    blocks: Optional[kq.RowBlocks] = None,  # wgrad_blocks(splits, M, recipe), shared by one backward
+    blocks: Optional[WgradBlocks] = None,  # shared by the wgrads of one backward; None: computed here
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """(dW, db): dW (E, P, Q) in dw_dtype, dW[e] = g[R_e]ᵀ @ x[R_e] (None without x), db = Σ_{R_e}
     g (· probs) in bias's dtype (None without bias). Without a recipe one launch computes both; under
@@ -344,6 +350,7 @@ def wgrad(
     first row (g is the gradient: nvfp4's stochastic rounding applies to it), and db comes from g
     rounded to the compute dtype, unquantized, as the reference does."""
     config = gg.default_config("wgrad", 0, 0, False, dtype.itemsize)
+    rows = (blocks or WgradBlocks(splits, g.shape[0], recipe)).get if recipe is not None and x is not None else None
     db = torch.empty_like(bias) if bias is not None else None
     if recipe is None:
         dw = _empty_dw(g, x, splits, dw_dtype) if x is not None else None
@@ -353,18 +360,18 @@ def wgrad(
         return dw, db
     dw = None
     if x is not None and is_native(recipe):
-        gq = kq.quantize_wgrad(g, splits, recipe, is_grad=True, transposed=True, blocks=blocks)
-        xq = kq.quantize_wgrad(x, splits, recipe, is_grad=False, transposed=True, blocks=blocks)
+        gq = kq.quantize_wgrad(g, splits, recipe, is_grad=True, transposed=True, blocks=rows())
+        xq = kq.quantize_wgrad(x, splits, recipe, is_grad=False, transposed=True, blocks=rows())
         dw = gg.fp8_grouped_wgrad(
             g_t=gq.codes_t, g_scales=gq.scales, x_t=xq.codes_t, x_scales=xq.scales, splits=splits, T=g.shape[0],
             out_dtype=dw_dtype,
         )  # fmt: skip
     elif x is not None:
         gv, fg = kq.dequantized_wgrad(
-            g, splits, recipe, is_grad=True, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=blocks
+            g, splits, recipe, is_grad=True, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows()
         )
         xv, fx = kq.dequantized_wgrad(
-            x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=blocks
+            x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows()
         )
         dw = _empty_dw(g, x, splits, dw_dtype)
         gg.launch_grouped_wgrad(g=gv, x=xv, splits=splits, dw=dw, db=None, config=config, acc_scale=_times(fg, fx))
