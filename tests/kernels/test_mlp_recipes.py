@@ -181,7 +181,7 @@ def test_cpu_backward_builds_the_wgrad_row_blocks_once(key, monkeypatch):
     # The four wgrad operands of a backward share one row-block layout (same splits and rows): one
     # computation of its ~12 torch ops instead of four, host launch time that the small shapes pay
     # (qwen3 ran host-bound on the H200, 2026-11-30).
-    from moemlp.kernels import quantize as kq
+    from moemlp.kernels.quant import api as kq
 
     calls = []
     real = kq._row_blocks
