@@ -13,16 +13,13 @@ kernel apart (FC1, FC2, FC2_DGRAD, FC1_DGRAD of ``_grouped_gemm_kernel``).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
 from moemlp import quantize_weights
 from moemlp.functional import grouped_mlp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import SHAPES, problem  # noqa: E402
+from moemlp.bench.kernels import SHAPES, problem
 
 
 def profile(

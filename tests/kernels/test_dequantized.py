@@ -18,7 +18,7 @@ import torch
 
 import _triton_env
 from moemlp.recipes import from_key, recipe
-from test_quantize_triton import RECIPES, WGRAD_RECIPES, _data, _ties
+from test_quant import RECIPES, WGRAD_RECIPES, _data, _ties
 
 interpreted = pytest.mark.skipif(
     not _triton_env.RUN_CPU_CASES,

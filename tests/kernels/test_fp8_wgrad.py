@@ -339,7 +339,7 @@ def test_compiles_for_hopper_without_spills(use_tma, tile):
 # On Hopper the 128-deep partial is the FP8 tensor cores' own accumulation, which keeps about 14 bits
 # (DeepSeek-V3 §3.3.2): a chain of four 32-deep wgmma steps, each aligned to ~2^-13 of the running
 # magnitude, errs by ≤ 4·2^-13 = 2^-11 of Σ|terms| per block; the bound takes 2× that, relative to
-# |G|ᵀ@|X| (test_fp8_gemm.py's GPU_ORDER_BOUND; the forward fp8 GEMM measured a relative RMS of
+# |G|ᵀ@|X| (kernels/test_gemm_fp8.py's GPU_ORDER_BOUND; the forward fp8 GEMM measured a relative RMS of
 # 1.25e-4 against emulation on the H200). Not yet measured for this kernel: the first GPU run records
 # max(err / (|G|ᵀ@|X|)) and the relative RMS here, and tightens the bound.
 GPU_ORDER_BOUND = 2.0**-10
