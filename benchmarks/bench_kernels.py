@@ -68,12 +68,13 @@ def check_shape(name, H, F, E, top_k, tokens, log):
     # fp32 accumulation over K = H accurate enough for SPEC's 1e-5 by itself?
     for promote in (True, False):
         c = dataclasses.replace(gg.default_config("fc2_dgrad", F, H, True), PROMOTE=promote)
-        parts = torch.empty(triton_cdiv(F, c.BN), x.shape[0], device=x.device)
         g_h = torch.empty(x.shape[0], 2 * F, dtype=x.dtype, device=x.device)
-        gg.launch_grouped_gemm(2, dy, w2, (H * F, 1, F), splits, probs, None, g_h, None, h, parts,
-                               F, H, 2 * F, cfg, False, False, True, c)
+        parts = gg.launch_grouped_gemm(
+            gg.FC2_DGRAD.value, a=dy, b=w2, b_strides=(H * F, 1, F), splits=splits, out=g_h, N=F, K=H, N1=2 * F,
+            cfg=cfg, config=c, probs=probs, h=h, dprobs_partials=True,
+        )  # fmt: skip
         dp = torch.empty_like(probs)
-        gg.launch_dprobs_reduce(parts, dy, None, splits, dp, parts.shape[0], False)
+        gg.launch_dprobs_reduce(partial=parts, dy=dy, fc2_bias=None, splits=splits, dprobs=dp, bias_term=False)
         lines.append(f"  dprobs with PROMOTE={promote}: err {rel(dp, ref64[1]):.2e}")
     grads2 = K.grouped_mlp_bwd(dy, x, h, splits, probs, w1, w2, None, None, cfg, needs)
     det = all(torch.equal(a, b) for a, b in zip(grads[:4], grads2[:4]))
@@ -192,21 +193,22 @@ def time_shape(name, H, F, E, top_k, tokens, sweep, rows_out):
     kernels = {
         # name: (flops, fn(config), default config)
         "fc1": (4.0 * M * H * F, lambda c: gg.launch_grouped_gemm(
-            0, x, w1, (N1 * H, H, 1), splits, probs, None, h, z, None, None, F, H, N1, cfg, False, True, False, c),
-            gg.default_config("fc1", F, H, True)),
+            gg.FC1.value, a=x, b=w1, b_strides=(N1 * H, H, 1), splits=splits, out=h, N=F, K=H, N1=N1, cfg=cfg,
+            config=c, probs=probs, z=z), gg.default_config("fc1", F, H, True)),
         "fc2": (2.0 * M * H * F, lambda c: gg.launch_grouped_gemm(
-            1, z, w2, (H * F, F, 1), splits, probs, None, yb, None, None, None, H, F, N1, cfg, False, False, False, c),
-            gg.default_config("fc2", H, F, True)),
+            gg.FC2.value, a=z, b=w2, b_strides=(H * F, F, 1), splits=splits, out=yb, N=H, K=F, N1=N1, cfg=cfg,
+            config=c, probs=probs), gg.default_config("fc2", H, F, True)),
         "fc2_dgrad": (2.0 * M * H * F, lambda c: gg.launch_grouped_gemm(
-            2, dy, w2, (H * F, 1, F), splits, probs, None, g_h, z, h,
-            torch.empty(triton_cdiv(F, c.BN), M, device=x.device), F, H, N1, cfg, False, True, True, c),
-            gg.default_config("fc2_dgrad", F, H, True)),
+            gg.FC2_DGRAD.value, a=dy, b=w2, b_strides=(H * F, 1, F), splits=splits, out=g_h, N=F, K=H, N1=N1,
+            cfg=cfg, config=c, probs=probs, z=z, h=h, dprobs_partials=True), gg.default_config("fc2_dgrad", F, H, True)),
         "fc1_dgrad": (4.0 * M * H * F, lambda c: gg.launch_grouped_gemm(
-            3, g_h, w1, (N1 * H, 1, H), splits, None, None, dx, None, None, None, H, N1, N1, cfg, False, False, False, c),
-            gg.default_config("fc1_dgrad", H, N1, True)),
-        "wgrad_w1": (4.0 * M * H * F, lambda c: gg.launch_grouped_wgrad(g_h, x, splits, None, dw1, None, False, c),
+            gg.FC1_DGRAD.value, a=g_h, b=w1, b_strides=(N1 * H, 1, H), splits=splits, out=dx, N=H, K=N1, N1=N1,
+            cfg=cfg, config=c), gg.default_config("fc1_dgrad", H, N1, True)),
+        "wgrad_w1": (4.0 * M * H * F, lambda c: gg.launch_grouped_wgrad(g=g_h, x=x, splits=splits, dw=dw1, db=None,
+                                                                         config=c),
                      gg.default_config("wgrad", 0, 0, True)),
-        "wgrad_w2": (2.0 * M * H * F, lambda c: gg.launch_grouped_wgrad(dy, z, splits, None, dw2, None, False, c),
+        "wgrad_w2": (2.0 * M * H * F, lambda c: gg.launch_grouped_wgrad(g=dy, x=z, splits=splits, dw=dw2, db=None,
+                                                                         config=c),
                      gg.default_config("wgrad", 0, 0, True)),
     }
     peer = {
@@ -237,10 +239,6 @@ def time_shape(name, H, F, E, top_k, tokens, sweep, rows_out):
                 "ms": ms, "tflops": flops / ms / 1e9, "peer_tflops": flops / tp / 1e9,
             })
     return kern_rows
-
-
-def triton_cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def print_rows(rows, cols, file=sys.stdout):

@@ -75,13 +75,13 @@ def sweep_gemm(shape):
         flops = 2.0 * M * g.shape[1] * a.shape[1]
 
         def run(cfg):
-            return fp8_grouped_wgrad(g_t=gq.codes_t, g_scales=gq.scales, x_t=aq.codes_t, x_scales=aq.scales, splits=splits, T=M,
-                                                  out_dtype=torch.bfloat16, config=cfg)  # fmt: skip
+            return fp8_grouped_wgrad(g_t=gq.codes_t, g_scales=gq.scales, x_t=aq.codes_t, x_scales=aq.scales,
+                                     splits=splits, T=M, out_dtype=torch.bfloat16, config=cfg)  # fmt: skip
 
         ref = run(default_fp8_wgrad_config()).float()
         dw = torch.empty(E, g.shape[1], a.shape[1], device="cuda", dtype=torch.bfloat16)
         cfg16 = gg.default_config("wgrad", 0, 0, True)
-        ms = bench(lambda: gg.launch_grouped_wgrad(g, a, splits, None, dw, None, False, cfg16))
+        ms = bench(lambda: gg.launch_grouped_wgrad(g=g, x=a, splits=splits, dw=dw, db=None, config=cfg16))
         print(f"  {name} bf16 wgrad kernel            {ms:8.3f} ({flops / ms / 1e9:5.0f})")
         for c in GEMM_CONFIGS:
             cfg = Fp8WgradConfig(*c)
