@@ -152,7 +152,7 @@ def _run_interpreted(check: str) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
-    code = f"import kernels/test_quant as t; t.{check}('cpu')"
+    code = f"import test_quant as t; t.{check}('cpu')"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-5000:]
 
