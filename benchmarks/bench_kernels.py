@@ -70,7 +70,7 @@ def check_shape(name, H, F, E, top_k, tokens, log):
         c = dataclasses.replace(gg.default_config("fc2_dgrad", F, H, True), PROMOTE=promote)
         g_h = torch.empty(x.shape[0], 2 * F, dtype=x.dtype, device=x.device)
         parts = gg.launch_grouped_gemm(
-            gg.FC2_DGRAD.value, a=dy, b=w2, b_strides=(H * F, 1, F), splits=splits, out=g_h, N=F, K=H, N1=2 * F,
+            "fc2_dgrad", a=dy, b=w2, b_strides=(H * F, 1, F), splits=splits, out=g_h, N=F, K=H, N1=2 * F,
             cfg=cfg, config=c, probs=probs, h=h, dprobs_partials=True,
         )  # fmt: skip
         dp = torch.empty_like(probs)
@@ -193,16 +193,16 @@ def time_shape(name, H, F, E, top_k, tokens, sweep, rows_out):
     kernels = {
         # name: (flops, fn(config), default config)
         "fc1": (4.0 * M * H * F, lambda c: gg.launch_grouped_gemm(
-            gg.FC1.value, a=x, b=w1, b_strides=(N1 * H, H, 1), splits=splits, out=h, N=F, K=H, N1=N1, cfg=cfg,
+            "fc1", a=x, b=w1, b_strides=(N1 * H, H, 1), splits=splits, out=h, N=F, K=H, N1=N1, cfg=cfg,
             config=c, probs=probs, z=z), gg.default_config("fc1", F, H, True)),
         "fc2": (2.0 * M * H * F, lambda c: gg.launch_grouped_gemm(
-            gg.FC2.value, a=z, b=w2, b_strides=(H * F, F, 1), splits=splits, out=yb, N=H, K=F, N1=N1, cfg=cfg,
+            "fc2", a=z, b=w2, b_strides=(H * F, F, 1), splits=splits, out=yb, N=H, K=F, N1=N1, cfg=cfg,
             config=c, probs=probs), gg.default_config("fc2", H, F, True)),
         "fc2_dgrad": (2.0 * M * H * F, lambda c: gg.launch_grouped_gemm(
-            gg.FC2_DGRAD.value, a=dy, b=w2, b_strides=(H * F, 1, F), splits=splits, out=g_h, N=F, K=H, N1=N1,
+            "fc2_dgrad", a=dy, b=w2, b_strides=(H * F, 1, F), splits=splits, out=g_h, N=F, K=H, N1=N1,
             cfg=cfg, config=c, probs=probs, z=z, h=h, dprobs_partials=True), gg.default_config("fc2_dgrad", F, H, True)),
         "fc1_dgrad": (4.0 * M * H * F, lambda c: gg.launch_grouped_gemm(
-            gg.FC1_DGRAD.value, a=g_h, b=w1, b_strides=(N1 * H, 1, H), splits=splits, out=dx, N=H, K=N1, N1=N1,
+            "fc1_dgrad", a=g_h, b=w1, b_strides=(N1 * H, 1, H), splits=splits, out=dx, N=H, K=N1, N1=N1,
             cfg=cfg, config=c), gg.default_config("fc1_dgrad", H, N1, True)),
         "wgrad_w1": (4.0 * M * H * F, lambda c: gg.launch_grouped_wgrad(g=g_h, x=x, splits=splits, dw=dw1, db=None,
                                                                          config=c),

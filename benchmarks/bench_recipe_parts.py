@@ -80,7 +80,7 @@ def main():
     out = torch.empty(x.shape[0], w1.shape[1], device="cuda", dtype=torch.bfloat16)
     nb, kb = qw1.scales.shape[1:]
     row("fp8 FC1 GEMM (plain epilogue)", bench(lambda: gg.launch_grouped_gemm(
-        gg.FC2.value, a=qx.codes, b=qw1.codes, b_strides=(2 * F * H, H, 1), splits=splits, out=out, N=2 * F, K=H,
+        "fc2", a=qx.codes, b=qw1.codes, b_strides=(2 * F * H, H, 1), splits=splits, out=out, N=2 * F, K=H,
         N1=2 * F, cfg=None, config=gg.default_config("fc2", 0, 0, False, fp8=True), a_scales=qx.scales,
         b_scales=qw1.scales, b_scale_strides=(nb * kb, kb, 1))))
     offs = torch.cumsum(splits, 0).to(torch.int32)

@@ -66,7 +66,7 @@ def fp8_gemm(a, b, splits, out_dtype, bias=None, config=None):
     nb, kb = b.scales.shape[1:]
     out = torch.empty((codes.shape[0], N), dtype=out_dtype, device=codes.device)
     gemm.launch_grouped_gemm(
-        gemm.FC2.value, a=codes, b=b.codes, b_strides=(N * K, K, 1), splits=splits, out=out, N=N, K=K, N1=N,
+        "fc2", a=codes, b=b.codes, b_strides=(N * K, K, 1), splits=splits, out=out, N=N, K=K, N1=N,
         cfg=None, config=config or gemm.default_config("fc2", 0, 0, False, fp8=True), bias=bias, a_scales=scales,
         b_scales=b.scales, b_scale_strides=(nb * kb, kb, 1),
     )  # fmt: skip
@@ -255,7 +255,7 @@ def test_cpu_bad_splits_are_clamped():
 # --- Hopper, offline ----------------------------------------------------------------------------------
 
 
-# (id, EPILOGUE, GLU (two accumulators), config kind): every FP8 default of gemm.config.fp8_config
+# (id, EPILOGUE, GLU (two accumulators), config kind): every FP8 default of gemm.fp8_config
 SM90_CASES = [
     ("plain", 1, False, "fc2"),
     ("fc1_glu", 0, True, "fc1"),

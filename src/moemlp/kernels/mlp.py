@@ -1,6 +1,6 @@
 """The Triton backend's schedule: ``grouped_mlp_fwd`` / ``grouped_mlp_bwd`` with the contract of
 reference.py, as launches of operands.py (recipe → GEMM operands, the GEMM and wgrad launches) and
-gemm (the dprobs reduce).
+gemm.launch (the dprobs reduce).
 
 Forward, two launches:   FC1 (x @ W1ᵀ, epilogue: bias, act, ·p → h, z)   FC2 (z @ W2ᵀ + b2 → y)
 Backward, up to six:     FC2_DGRAD (dy @ W2, epilogue: dprobs partials, g_h, round(z))
@@ -31,7 +31,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import gemm, operands
+from . import operands
+from .gemm import launch
 from .quant import supports
 
 
@@ -172,8 +173,10 @@ def grouped_mlp_bwd(
                                 dprobs_partials=need_dprobs, N=F, K=H, N1=N1, cfg=cfg)  # fmt: skip
         if need_dprobs:
             dprobs = torch.empty((M,), dtype=probs.dtype, device=device)
-            gemm.launch_dprobs_reduce(partial=partial, dy=dy, fc2_bias=fc2_bias, splits=splits, dprobs=dprobs,
-                                      bias_term=cfg.scale_fc2_bias and fc2_bias is not None)  # fmt: skip
+            launch.launch_dprobs_reduce(
+                partial=partial, dy=dy, fc2_bias=fc2_bias, splits=splits, dprobs=dprobs,
+                bias_term=cfg.scale_fc2_bias and fc2_bias is not None,
+            )
         if need_dx:
             # FC1_DGRAD: dx = g_h @ W1[e]
             dx = torch.empty((M, H), dtype=x.dtype, device=device)

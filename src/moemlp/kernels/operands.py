@@ -7,7 +7,7 @@ Without a recipe the operands are the tensors themselves. Under a recipe every G
 quantizes both operands along its reduction dim, one of two ways:
 
 * native (fp8_block): e4m3 codes and fp32 block scales go to the FP8 mode of the grouped GEMM
-  (forward and dgrad GEMMs) and to ``gemm.fp8_grouped_wgrad`` (weight gradients); the
+  (forward and dgrad GEMMs) and to ``launch.fp8_grouped_wgrad`` (weight gradients); the
   partial sums are promoted every 128-deep step. Weights are quantized in 128×128 tiles, which
   serve both the forward (rows n, reduction k) and the dgrad (the same tiles read transposed): the
   dgrad takes a K-major copy of the codes (``codes_t``), since Hopper's e4m3 wgmma reads both
@@ -20,7 +20,7 @@ quantizes both operands along its reduction dim, one of two ways:
   builds its Weights from them (``cached_weights``).
 * emulated (mxfp8, nvfp4): the bf16 kernels run on each operand's dequantized values
   code·block_scale in bf16; nvfp4's per-tensor factors (1/S_enc of each operand) multiply the fp32
-  accumulator (ACC_SCALE) before any epilogue. A ``quantize.dequantized*`` pass stores the values
+  accumulator (ACC_SCALE, their product taken by the launcher) before any epilogue. A ``quantize.dequantized*`` pass stores the values
   first (docs/DECISIONS.md: forming them in the GEMM's load path was slower). Exact for
   nvfp4 and for every bf16/fp16 source; from an fp32 source (z and g_h always, x and weights
   with fp32 compute) mxfp8 values of a block whose amax is ≤ 1.05e-35 can lie below bf16's
@@ -36,35 +36,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-import dataclasses
-
 import torch
 from torch import Tensor
 
-from . import gemm as gg
+from .gemm import launch
 from .quant import api as kq
-
-# launch kind -> (epilogue, the weight read as in the forward GEMM (True) or transposed (dgrad))
-_KINDS = {
-    "fc1": (gg.FC1.value, True),
-    "fc2": (gg.FC2.value, True),
-    "fc2_dgrad": (gg.FC2_DGRAD.value, False),
-    "fc1_dgrad": (gg.FC1_DGRAD.value, False),
-}
 
 
 def is_native(recipe) -> bool:
     """Whether recipe's GEMMs run on its codes (FP8 tensor cores) rather than on exact bf16 values."""
     return recipe is not None and recipe.native
-
-
-def _times(f: Optional[Tensor], g: Optional[Tensor]) -> Optional[Tensor]:
-    """The product of two optional 0-d factors (one fp32 rounding), on the device."""
-    if f is None:
-        return g
-    if g is None:
-        return f
-    return f * g
 
 
 @dataclass
@@ -300,20 +281,15 @@ def gemm(
 ) -> Optional[Tensor]:
     """One grouped-GEMM launch of the MLP: A @ B with B(n, k) = W[e, n, k] (fc1, fc2) or W[e, k, n]
     (the dgrads), both operands quantized first under cfg.recipe. Returns the dprobs partials when
-    asked (``gemm.launch_dprobs_reduce`` sums them), else None."""
-    epilogue, forward = _KINDS[kind]
+    asked (``launch.launch_dprobs_reduce`` sums them), else None."""
+    emulated = cfg.recipe is not None and not is_native(cfg.recipe)
+    b_op = weight.forward() if kind in ("fc1", "fc2") else weight.dgrad()
     a_op = act(a, cfg.recipe)
-    b_op = weight.forward() if forward else weight.dgrad()
-    fp8 = a_op.scales is not None
-    config = gg.default_config(kind, N, K, cfg.glu, a_op.a.element_size(), fp8=fp8)
-    if cfg.recipe is not None and not fp8 and config.BK < 32:
-        # the interpreter's 16-deep steps hold half an mxfp8 block
-        config = dataclasses.replace(config, BK=32)
-    return gg.launch_grouped_gemm(
-        epilogue, a=a_op.a, b=b_op.b, b_strides=b_op.strides, splits=splits, out=out, N=N, K=K, N1=N1, cfg=cfg,
-        config=config, probs=probs, bias=bias, scale_bias=kind == "fc2" and cfg.scale_fc2_bias, z=z, h=h,
+    return launch.launch_grouped_gemm(
+        kind, a=a_op.a, b=b_op.b, b_strides=b_op.strides, splits=splits, out=out, N=N, K=K, N1=N1, cfg=cfg,
+        emulated=emulated, probs=probs, bias=bias, scale_bias=kind == "fc2" and cfg.scale_fc2_bias, z=z, h=h,
         dprobs_partials=dprobs_partials, a_scales=a_op.scales, b_scales=b_op.scales,
-        b_scale_strides=b_op.scale_strides, acc_scale=_times(a_op.factor, b_op.factor),
+        b_scale_strides=b_op.scale_strides, acc_factors=(a_op.factor, b_op.factor),
     )  # fmt: skip
 
 
@@ -349,35 +325,44 @@ def wgrad(
     a recipe dW takes both operands quantized along the rows in blocks that restart at each expert's
     first row (g is the gradient: nvfp4's stochastic rounding applies to it), and db comes from g
     rounded to the compute dtype, unquantized, as the reference does."""
-    config = gg.default_config("wgrad", 0, 0, False, dtype.itemsize)
-    rows = (blocks or WgradBlocks(splits, g.shape[0], recipe)).get if recipe is not None and x is not None else None
+    # the recipe's operands first (quantized along the rows), then the launches
+    native = is_native(recipe)
     db = torch.empty_like(bias) if bias is not None else None
+    dw = None if x is None or native else _empty_dw(g, x, splits, dw_dtype)
+    g_op = x_op = None
+    if recipe is not None and x is not None:
+        rows = (blocks or WgradBlocks(splits, g.shape[0], recipe)).get()
+        if native:
+            g_op = kq.quantize_wgrad(g, splits, recipe, is_grad=True, transposed=True, blocks=rows)
+            x_op = kq.quantize_wgrad(x, splits, recipe, is_grad=False, transposed=True, blocks=rows)
+        else:
+            g_op = kq.dequantized_wgrad(
+                g, splits, recipe, is_grad=True, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows
+            )
+            x_op = kq.dequantized_wgrad(
+                x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows
+            )
+    config = launch.default_config("wgrad", 0, 0, False, dtype.itemsize)
     if recipe is None:
-        dw = _empty_dw(g, x, splits, dw_dtype) if x is not None else None
         if dw is not None or db is not None:
-            gg.launch_grouped_wgrad(g=g, x=x, splits=splits, dw=dw, db=db, config=config, probs=probs,
-                                    scale_b=scale_bias)  # fmt: skip
+            launch.launch_grouped_wgrad(
+                g=g, x=x, splits=splits, dw=dw, db=db, config=config, probs=probs, scale_b=scale_bias
+            )
         return dw, db
-    dw = None
-    if x is not None and is_native(recipe):
-        gq = kq.quantize_wgrad(g, splits, recipe, is_grad=True, transposed=True, blocks=rows())
-        xq = kq.quantize_wgrad(x, splits, recipe, is_grad=False, transposed=True, blocks=rows())
-        dw = gg.fp8_grouped_wgrad(
-            g_t=gq.codes_t, g_scales=gq.scales, x_t=xq.codes_t, x_scales=xq.scales, splits=splits, T=g.shape[0],
-            out_dtype=dw_dtype,
+    if native and x is not None:
+        dw = launch.fp8_grouped_wgrad(
+            g_t=g_op.codes_t, g_scales=g_op.scales, x_t=x_op.codes_t, x_scales=x_op.scales, splits=splits,
+            T=g.shape[0], out_dtype=dw_dtype,
         )  # fmt: skip
     elif x is not None:
-        gv, fg = kq.dequantized_wgrad(
-            g, splits, recipe, is_grad=True, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows()
+        (g_values, g_factor), (x_values, x_factor) = g_op, x_op
+        launch.launch_grouped_wgrad(
+            g=g_values, x=x_values, splits=splits, dw=dw, db=None, config=config, acc_factors=(g_factor, x_factor)
         )
-        xv, fx = kq.dequantized_wgrad(
-            x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows()
-        )
-        dw = _empty_dw(g, x, splits, dw_dtype)
-        gg.launch_grouped_wgrad(g=gv, x=xv, splits=splits, dw=dw, db=None, config=config, acc_scale=_times(fg, fx))
     if db is not None:
-        gg.launch_grouped_wgrad(g=g.to(dtype), x=None, splits=splits, dw=None, db=db, config=config, probs=probs,
-                                scale_b=scale_bias)  # fmt: skip
+        launch.launch_grouped_wgrad(
+            g=g.to(dtype), x=None, splits=splits, dw=None, db=db, config=config, probs=probs, scale_b=scale_bias
+        )
     return dw, db
 
 

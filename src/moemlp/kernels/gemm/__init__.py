@@ -1,21 +1,24 @@
-"""The grouped-GEMM family: config.py (tile tables), grouped.py (the forward / dgrad mainloop and
-tile scheduler) with epilogue.py, wgrad.py, fp8_wgrad.py, dprobs.py, activations.py (the kernels'
-activation formulas), common.py (the expert table, rounding and launch helpers)."""
+"""The grouped-GEMM family. launch.py is the host side (tile tables and every launcher, the names
+below); the kernels are device code: grouped.py (the forward / dgrad mainloop and tile scheduler)
+with epilogue.py, wgrad.py, fp8_wgrad.py, dprobs.py, activations.py (the kernels' activation
+formulas), common.py (the expert table and the one rounding of stored outputs)."""
 
 from .common import INTERPRET
-from .config import GemmConfig, default_config, dprobs_parts, fp8_config
-from .dprobs import launch_dprobs_reduce
-from .epilogue import FC1, FC1_DGRAD, FC2, FC2_DGRAD
-from .fp8_wgrad import Fp8WgradConfig, default_fp8_wgrad_config, fp8_grouped_wgrad
-from .grouped import launch_grouped_gemm
-from .wgrad import launch_grouped_wgrad
+from .launch import (
+    Fp8WgradConfig,
+    GemmConfig,
+    default_config,
+    default_fp8_wgrad_config,
+    dprobs_parts,
+    fp8_config,
+    fp8_grouped_wgrad,
+    launch_dprobs_reduce,
+    launch_grouped_gemm,
+    launch_grouped_wgrad,
+)
 
 __all__ = [
     "INTERPRET",
-    "FC1",
-    "FC2",
-    "FC2_DGRAD",
-    "FC1_DGRAD",
     "GemmConfig",
     "default_config",
     "fp8_config",

@@ -1,5 +1,5 @@
 """What the grouped-GEMM kernels share: the expert table read from device ``splits``, the one
-rounding of each stored output, and the host helpers that size and shape a launch.
+rounding of each stored output.
 
 Expert offsets are computed inside every kernel from ``splits`` (never read on the host): splits are
 clamped (negative → 0 rows, a sum past M truncated at M), so bad device splits cannot make a kernel
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import triton
 import triton.language as tl
 
@@ -60,37 +59,3 @@ def expert_table(splits_ptr, E, M, E_BLOCK: tl.constexpr, BM: tl.constexpr):
 def pick(idx, vec, e):
     """vec[e] as a scalar (vectors of the expert table live in registers)."""
     return tl.sum(tl.where(idx == e, vec, 0))
-
-
-# --- host side ---
-
-_NUM_SMS: dict[int, int] = {}
-
-
-def num_programs(device: torch.device, bound: int) -> int:
-    if device.type != "cuda":
-        return max(1, min(bound, 4))
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(bound, _NUM_SMS[index]))
-
-
-def e_block(E: int) -> int:
-    return max(16, triton.next_power_of_2(E))
-
-
-def tma_ok(*tensors: torch.Tensor) -> bool:
-    """The copy engine wants 16-byte aligned bases and row strides: true for contiguous tensors
-    whose rows are multiples of 8 bf16 elements, unless a caller passes an offset view."""
-    if TensorDescriptor is None:
-        return False
-    for t in tensors:
-        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
-            return False
-    return True
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 compute: exact fp32 products ("ieee"), as the reference; bf16/fp16 ignore the setting.
-    return "ieee" if dtype == torch.float32 else "tf32"

@@ -5,11 +5,10 @@ probs.dtype by its store: for fp32 probs the tensor written here is the one retu
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, e_block, expert_table, rounded
+from .common import expert_table, rounded
 
 
 @triton.jit
@@ -48,46 +47,3 @@ def dprobs_reduce_kernel(
             b = tl.load(fc2_bias_ptr + e_row.to(tl.int64)[:, None] * H + cols[None, :], mask=m2, other=0.0)
             acc += tl.sum(dy.to(tl.float32) * b.to(tl.float32), axis=1)
     tl.store(dprobs_ptr + rows, rounded(acc, dprobs_ptr.dtype.element_ty, INTERPRETED), mask=row_mask)
-
-
-def launch_dprobs_reduce(
-    *,
-    partial: torch.Tensor,  # (parts, M) fp32 from the FC2_DGRAD launch
-    dy: torch.Tensor,  # (M, H) compute dtype
-    fc2_bias: torch.Tensor | None,  # (E, H), read with bias_term
-    splits: torch.Tensor,  # (E,) int32/int64 on the device
-    dprobs: torch.Tensor,  # (M,) probs.dtype, written
-    bias_term: bool,  # scale_fc2_bias: + Σ_j dy·fc2_bias[e]
-) -> None:
-    M = dprobs.shape[0]
-    num_parts = partial.shape[0]
-    if M == 0:
-        return
-    H = dy.shape[1]
-    E = splits.shape[0]
-    experts_block = e_block(E)
-    if INTERPRET:
-        block_r = 16
-    elif bias_term:
-        # The expert of each row comes from a (rows × experts) comparison: ≤ 16k elements keeps it
-        # at 128 registers per thread at 4 warps, also for 1024 experts.
-        block_r = max(16, min(128, 16384 // experts_block))
-    else:
-        block_r = 128
-    dprobs_reduce_kernel[(triton.cdiv(M, block_r),)](
-        partial,
-        dy,
-        fc2_bias if fc2_bias is not None else dy,
-        splits,
-        dprobs,
-        M,
-        H,
-        E,
-        num_parts,
-        BIAS_TERM=bias_term,
-        BLOCK_R=block_r,
-        BLOCK_H=16 if INTERPRET else 64,
-        E_BLOCK=experts_block,
-        INTERPRETED=INTERPRET,
-        num_warps=4,
-    )

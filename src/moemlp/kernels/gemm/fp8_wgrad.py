@@ -49,17 +49,10 @@ Operand tiles come through TMA descriptors (the transposed codes' rows are P byt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
-from .common import INTERPRET, TensorDescriptor, e_block, expert_table, pick, rounded, tma_ok
-
-BLOCK = 128  # fp8_block's row block of both wgrad operands: one K step of the reduction
-
+from .common import expert_table, pick, rounded
 
 @triton.jit
 def fp8_wgrad_kernel(
@@ -150,103 +143,3 @@ def fp8_wgrad_kernel(
     # Every output element is stored by exactly one program; an expert with no rows stores zeros.
     out_ptrs = out_ptr + e.to(tl.int64) * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
     tl.store(out_ptrs, rounded(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=n_mask[:, None] & k_mask[None, :])
-
-
-# --------------------------------------------------------------------------------------------
-# Launcher
-
-
-@dataclass(frozen=True)
-class Fp8WgradConfig:
-    BN: int  # output rows (G's columns) per tile
-    BK: int  # output columns (X's columns) per tile
-    num_warps: int
-    num_stages: int
-    GROUP_N: int = 8
-    USE_TMA: bool | None = None  # None: TMA when the transposed codes allow it (16-byte aligned rows)
-
-
-def default_fp8_wgrad_config() -> Fp8WgradConfig:
-    """64×128 at 4 warps and 4 stages: the fastest of eight configs (benchmarks/bench_wgrad_quantizer.py
-    --gemm; dW1 / dW2 of mixtral-8x7b 5.93 / 3.11 ms and of
-    deepseek-v3-ep8 3.25 / 1.64 ms, 5-9 % faster than the earlier 128×128 at 8 warps, which was
-    an unmeasured guess; moemlp's bf16 wgrad kernel took 6.15 / 3.09 and 3.49 / 1.71 ms). Each step ends in
-    ``wgmma.wait_group 0`` (the promotion consumes the product at once), so no MMA overlaps the
-    promotion within a CTA; at 64×128 (168 registers, 96 KiB of shared memory, offline sm_90) two
-    CTAs fit per SM and one's promotion can overlap the other's MMA. 6 stages lost 30 % (one CTA per
-    SM); 128×128 at 4 warps and 128×256 at 8 spill. Under the interpreter small tiles keep the CPU
-    suite fast (16 is tl.dot's smallest side)."""
-    if INTERPRET:
-        return Fp8WgradConfig(16, 32, 4, 1, GROUP_N=2)
-    return Fp8WgradConfig(64, 128, 4, 4)
-
-
-def fp8_grouped_wgrad(
-    *,
-    g_t: Tensor,  # (N, P) e4m3 codes of Gᵀ (or their uint8 bits), contiguous
-    g_scales: Tensor,  # (P/128, N) fp32
-    x_t: Tensor,  # (K, P) e4m3 codes of Xᵀ
-    x_scales: Tensor,  # (P/128, K) fp32
-    splits: Tensor,  # (E,) int32/int64 on the device, the splits the operands were quantized with
-    T: int,  # source rows of both operands
-    out_dtype: torch.dtype = torch.float32,
-    config: Fp8WgradConfig | None = None,
-) -> Tensor:
-    """dW (E, N, K) in ``out_dtype``: dW[e] = dequant(G)[R_e]ᵀ @ dequant(X)[R_e], zeros for an expert
-    with no rows, from the transposed codes Gᵀ (N, P) and Xᵀ (K, P) (float8_e4m3fn or their uint8
-    bits) with their fp32 scales (P/128, N) and (P/128, K), P = (⌈T/128⌉ + E)·128, T the source
-    rows: ``quantize_wgrad(t, splits, recipe, transposed=True)``'s codes_t and scales."""
-    for t, what in ((g_t, "g_t"), (x_t, "x_t"), (g_scales, "g_scales"), (x_scales, "x_scales")):
-        if not isinstance(t, Tensor) or t.ndim != 2 or not t.is_contiguous():
-            raise ValueError(f"{what}: expected a contiguous 2-D tensor")
-    for t, what in ((g_t, "g_t"), (x_t, "x_t")):
-        if t.dtype not in (torch.float8_e4m3fn, torch.uint8):
-            raise TypeError(f"{what}: expected float8_e4m3fn codes (or their uint8 bits), got {t.dtype}")
-    N, P = g_t.shape
-    K = x_t.shape[0]
-    if x_t.shape[1] != P or P % BLOCK:
-        raise ValueError(f"x_t: expected (K, {P}) with P a multiple of 128, got {tuple(x_t.shape)}")
-    for t, C, what in ((g_scales, N, "g_scales"), (x_scales, K, "x_scales")):
-        if tuple(t.shape) != (P // BLOCK, C) or t.dtype != torch.float32:
-            raise ValueError(f"{what}: expected ({P // BLOCK}, {C}) float32, got {tuple(t.shape)} {t.dtype}")
-    if not isinstance(splits, Tensor) or splits.dtype not in (torch.int32, torch.int64) or splits.ndim != 1:
-        raise TypeError("splits: expected an (E,) int32/int64 tensor")
-    if P != (triton.cdiv(T, BLOCK) + splits.shape[0]) * BLOCK:
-        raise ValueError(f"T: expected the rows with P = (ceil(T/128) + E)·128 = {P}, got T = {T}")
-    return _launch(g_t.view(torch.float8_e4m3fn), g_scales, x_t.view(torch.float8_e4m3fn), x_scales, splits, T,
-                   out_dtype, config)  # fmt: skip
-
-
-def _launch(g_t, g_scales, x_t, x_scales, splits, T, out_dtype, config) -> Tensor:
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
-    device = g_t.device
-    for t, what in ((g_scales, "g scales"), (x_t, "x codes"), (x_scales, "x scales"), (splits, "splits")):
-        if t.device != device:
-            raise TypeError(f"{what}: expected a tensor on {device} (g's codes'), got {t.device}")
-    config = config or default_fp8_wgrad_config()
-    (N, P), K, E = g_t.shape, x_t.shape[0], splits.shape[0]
-    out = torch.empty((E, N, K), dtype=out_dtype, device=device)
-    if out.numel() == 0:
-        return out
-    use_tma = tma_ok(g_t, x_t) if config.USE_TMA is None else config.USE_TMA
-    if use_tma and not tma_ok(g_t, x_t):
-        raise ValueError("config: USE_TMA needs triton's TensorDescriptor and 16-byte aligned code rows")
-    g_desc = TensorDescriptor.from_tensor(g_t, [config.BN, BLOCK]) if use_tma else None
-    x_desc = TensorDescriptor.from_tensor(x_t, [config.BK, BLOCK]) if use_tma else None
-    grid = (E * triton.cdiv(N, config.BN) * triton.cdiv(K, config.BK),)
-    fp8_wgrad_kernel[grid](
-        g_t, g_scales, x_t, x_scales, g_desc, x_desc, splits, out,
-        T, P, N, K, E,
-        g_scales.stride(0), g_scales.stride(1), x_scales.stride(0), x_scales.stride(1),
-        BN=config.BN,
-        BK=config.BK,
-        BR=BLOCK,
-        GROUP_N=config.GROUP_N,
-        E_BLOCK=e_block(E),
-        INTERPRETED=INTERPRET,
-        USE_TMA=use_tma,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )  # fmt: skip
-    return out

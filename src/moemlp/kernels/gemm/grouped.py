@@ -13,14 +13,10 @@ is written by exactly one program. No atomics: every sum has a fixed order.
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, TensorDescriptor, dot_precision, e_block, expert_table, num_programs, pick, tma_ok
-from .config import GemmConfig, dprobs_parts
+from .common import expert_table, pick
 from .epilogue import FC1, epilogue_chunks
 
 
@@ -38,7 +34,7 @@ def grouped_gemm_kernel(
     h_ptr,  # (M, N1) compute dtype: the stored pre-activation, read by FC2_DGRAD
     partial_ptr,  # (cdiv(F, BN), M) fp32: dprobs partials Σ_{f in tile} g_z·a (STORE_PARTIAL)
     a_scale_ptr,  # FP8: (M, ⌈K/128⌉) fp32 dequant scale of row m, K block kb at m·stride_asm + kb·stride_ask
-    b_scale_ptr,  # FP8: (E, ⌈·/128⌉, ⌈·/128⌉) fp32 dequant scale of B's 128×128 tile (n//128, k//128) of expert e
+    b_scale_ptr,  # FP8: (E, ⌈·/128⌉, ⌈·/128⌉) fp32 dequant scale of B's tile (n//128, k//128) of expert e
     acc_scale_ptr,  # ACC_SCALE: fp32 scalar multiplied onto the accumulator (nvfp4's per-tensor factors)
     M,
     N,
@@ -225,8 +221,8 @@ def _accumulate(a, b, acc, unit, PROMOTE: tl.constexpr, DOT_PRECISION: tl.conste
     truncation, so the error of a K-deep chain grows linearly with K: one chained accumulator gave
     fp32 dprobs errors of 2.1e-6 (K = H = 2048) to 7.9e-6 (K = 7168) against float64, on course to
     pass SPEC §1's 1e-5 near K = 9000; promoted every BK = 64 they were 1.6e-7..2.8e-7 (bound
-    64·2^-23 = 7.6e-6 for any data; benchmarks/NOTES.md). The multiply by ``unit`` (a runtime 1.0) keeps the compiler from folding the add back
-    into the dot's accumulator."""
+    64·2^-23 = 7.6e-6 for any data; benchmarks/NOTES.md). The multiply by ``unit`` (a runtime 1.0)
+    keeps the compiler from folding the add back into the dot's accumulator."""
     if PROMOTE:
         acc += tl.dot(a, b, input_precision=DOT_PRECISION) * unit
     else:
@@ -255,114 +251,3 @@ def _fp8_product(a, b, a_s, b_s, B_SCALE_SCALAR: tl.constexpr):
     else:
         scale = a_s[:, None] * b_s[None, :]
     return tl.dot(a, b, out_dtype=tl.float32) * scale
-
-
-def launch_grouped_gemm(
-    epilogue: int,  # FC1, FC2, FC2_DGRAD or FC1_DGRAD (epilogue.py)
-    *,
-    a: torch.Tensor,  # (M, K) contiguous, rows grouped by expert: compute dtype, bf16 values, or e4m3 codes (FP8)
-    b: torch.Tensor,  # (E, ·, ·) weights, their bf16 values or e4m3 codes, read through b_strides
-    b_strides: tuple[int, int, int],  # element (n, k) of expert e at e·[0] + n·[1] + k·[2]; [2] == 1: K-major
-    splits: torch.Tensor,  # (E,) int32/int64 on the device
-    out: torch.Tensor,  # (M, N1) h | (M, H) y | (M, N1) g_h | (M, H) dx
-    N: int,  # output columns: F for FC1 / FC2_DGRAD, H for FC2 / FC1_DGRAD
-    K: int,
-    N1: int,
-    cfg,  # MLPConfig: activation and its parameters, GLU interleave; None: a plain GEMM
-    config: GemmConfig,
-    probs: torch.Tensor | None = None,  # (M,) fp32/bf16/fp16
-    bias: torch.Tensor | None = None,  # (E, N1) fc1_bias (FC1) | (E, H) fc2_bias (FC2)
-    scale_bias: bool = False,  # FC2: the bias times probs (scale_fc2_bias)
-    z: torch.Tensor | None = None,  # (M, F): round(act(h)·p), stored by FC1 and FC2_DGRAD when given
-    h: torch.Tensor | None = None,  # (M, N1): the stored pre-activation FC2_DGRAD reads
-    dprobs_partials: bool = False,  # FC2_DGRAD: return the (parts, M) fp32 dprobs partials
-    a_scales: torch.Tensor | None = None,  # FP8: (M, ⌈K/128⌉) fp32 dequant scales of a's codes, any strides
-    b_scales: torch.Tensor | None = None,  # FP8: fp32 dequant scales of b's 128×128 tiles ...
-    b_scale_strides: tuple[int, int, int] | None = None,  # ... tile (n//128, k//128) of expert e at e·[0] + ·[1] + ·[2]
-    acc_scale: torch.Tensor | None = None,  # 0-d fp32 multiplied onto the accumulator (nvfp4's per-tensor factors)
-) -> torch.Tensor | None:
-    """One grouped-GEMM launch; returns the dprobs partials when asked, else None. FP8 when a_scales
-    is given (e4m3 codes of a and b with their block scales)."""
-    M = a.shape[0]
-    E = splits.shape[0]
-    fp8 = a_scales is not None
-    glu = cfg is not None and cfg.glu
-    glu_gather = glu and epilogue == FC1.value
-    use_tma = tma_ok(a, b) and (
-        not glu_gather
-        or N % cfg.glu_interleave == 0
-        and (cfg.glu_interleave == N or cfg.glu_interleave % config.BN == 0)
-    )
-    if config.USE_TMA is not None:
-        if config.USE_TMA and not use_tma:
-            raise ValueError("config: USE_TMA needs 16-byte aligned operand rows (and GLU blocks a multiple of BN)")
-        use_tma = config.USE_TMA
-    elif fp8 and not use_tma and not INTERPRET:
-        # Code rows not 16-byte aligned (K % 16 != 0): the masked-pointer mainloop holds (BM, 128)
-        # pointer tensors besides the accumulator and the promoted product; at 128×128 every FP8
-        # epilogue spilled (ptxas sm_90: 173-217 local loads), at 64×64 and 8 warps FC2 and
-        # FC2_DGRAD do not (FC1 with a GLU still spills 99). A fallback for odd shapes.
-        config = dataclasses.replace(config, BM=64, BN=64, num_warps=8, num_stages=4)
-    # sized from the config this launch runs (the fallback above changes BN)
-    partial = torch.empty((dprobs_parts(config, N), M), dtype=torch.float32, device=a.device) if dprobs_partials else None
-    if M == 0 or N == 0:
-        return partial
-    # cfg None: a plain GEMM (FC2's epilogue without probs: out = acc (+ bias)), no activation
-    params = tuple(cfg.activation_params) + (0.0,) * (3 - len(cfg.activation_params)) if cfg else (0.0,) * 3
-    dummy = a  # never dereferenced: the constexpr flags switch its loads and stores off
-    b_kmajor = b_strides[2] == 1
-    bound = (triton.cdiv(M, config.BM) + E + 1) * triton.cdiv(N, config.BN)
-    programs = num_programs(a.device, bound)
-    a_desc = b_desc = None
-    if use_tma:
-        a_desc = TensorDescriptor.from_tensor(a, [config.BM, config.BK])
-        b_block = [1, config.BN, config.BK] if b_kmajor else [1, config.BK, config.BN]
-        b_desc = TensorDescriptor.from_tensor(b, b_block)
-    grouped_gemm_kernel[(programs,)](
-        a, b, a_desc, b_desc, splits,
-        probs if probs is not None else dummy,
-        bias if bias is not None else dummy,
-        out,
-        z if z is not None else dummy,
-        h if h is not None else dummy,
-        partial if partial is not None else dummy,
-        a_scales if a_scales is not None else dummy,
-        b_scales if b_scales is not None else dummy,
-        acc_scale if acc_scale is not None else dummy,
-        M, N, K, E,
-        *b_strides,
-        a_scales.stride(0) if fp8 else 0,
-        a_scales.stride(1) if fp8 else 0,
-        *(b_scale_strides if b_scales is not None else (0, 0, 0)),
-        N1,
-        cfg.glu_interleave if glu else 1,
-        float(params[0]), float(params[1]), float(params[2]),
-        1.0,
-        programs,
-        EPILOGUE=epilogue,
-        ACT=cfg.activation.kernel_id if cfg else 0,
-        GLU=glu,
-        HAS_PROBS=probs is not None,
-        HAS_BIAS=bias is not None,
-        SCALE_BIAS=scale_bias and probs is not None,
-        STORE_Z=z is not None,
-        STORE_PARTIAL=partial is not None,
-        BM=config.BM,
-        BN=config.BN,
-        BK=config.BK,
-        GROUP_M=config.GROUP_M,
-        E_BLOCK=e_block(E),
-        INTERPRETED=INTERPRET,
-        DOT_PRECISION=dot_precision(a.dtype),
-        USE_TMA=use_tma,
-        B_KMAJOR=b_kmajor,
-        SUBTILE=config.SUBTILE,
-        # g_z feeds dprobs, which SPEC §1 holds to fp32-accumulation accuracy (see _accumulate).
-        PROMOTE=partial is not None if config.PROMOTE is None else config.PROMOTE,
-        FP8=fp8,
-        ACC_SCALE=acc_scale is not None,
-        B_SCALE_SCALAR=fp8 and 128 % config.BN == 0 and (not glu_gather or cfg.glu_interleave % config.BN == 0),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )  # fmt: skip
-    return partial

@@ -5,12 +5,10 @@ second loop of the same program. One program per (expert, output tile): an empty
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, TensorDescriptor, dot_precision, e_block, expert_table, pick, rounded, tma_ok
-from .config import GemmConfig
+from .common import expert_table, pick, rounded
 
 
 @triton.jit
@@ -120,54 +118,3 @@ def grouped_wgrad_kernel(
             tl.store(
                 db_ptr + e.to(tl.int64) * P + offs_p, rounded(acc_b, db_ptr.dtype.element_ty, INTERPRETED), mask=p_mask
             )
-
-
-def launch_grouped_wgrad(
-    *,
-    g: torch.Tensor,  # (M, P) rows grouped by expert: g_h | dy (or their bf16 values under a recipe)
-    x: torch.Tensor | None,  # (M, Q): x | round(z); None with dw
-    splits: torch.Tensor,  # (E,) int32/int64 on the device
-    dw: torch.Tensor | None,  # (E, P, Q) written: dW[e] = g[R_e]ᵀ @ x[R_e]
-    db: torch.Tensor | None,  # (E, P) written: Σ_rows g (· probs with scale_b)
-    config: GemmConfig,
-    probs: torch.Tensor | None = None,  # (M,) fp32/bf16/fp16, read with scale_b
-    scale_b: bool = False,
-    acc_scale: torch.Tensor | None = None,  # 0-d fp32 multiplied onto dW (not db): nvfp4's per-tensor factors
-) -> None:
-    M, P = g.shape
-    E = splits.shape[0]
-    Q = x.shape[1] if x is not None else 1
-    do_w = dw is not None
-    grid = (E * triton.cdiv(P, config.BM) * (triton.cdiv(Q, config.BN) if do_w else 1),)
-    use_tma = do_w and M > 0 and tma_ok(g, x)
-    g_desc = TensorDescriptor.from_tensor(g, [config.BK, config.BM]) if use_tma else None
-    x_desc = TensorDescriptor.from_tensor(x, [config.BK, config.BN]) if use_tma else None
-    grouped_wgrad_kernel[grid](
-        g,
-        x if x is not None else g,
-        g_desc,
-        x_desc,
-        splits,
-        probs if probs is not None else g,
-        dw if dw is not None else g,
-        db if db is not None else g,
-        acc_scale if acc_scale is not None else g,
-        M,
-        P,
-        Q,
-        E,
-        DO_W=do_w,
-        DO_B=db is not None,
-        SCALE_B=scale_b and probs is not None,
-        BP=config.BM,
-        BQ=config.BN,
-        BK=config.BK,
-        GROUP_P=config.GROUP_M,
-        E_BLOCK=e_block(E),
-        INTERPRETED=INTERPRET,
-        DOT_PRECISION=dot_precision(g.dtype),
-        USE_TMA=use_tma,
-        ACC_SCALE=acc_scale is not None,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )

@@ -101,10 +101,11 @@ def _block_axis(x: Tensor, axis: int, name: str = "axis") -> bool:
 # mxfp8's 32×32 ~1.5 TB/s; benchmarks/bench_quantizer_tiles.py sweeps.
 ROW_TILE = (32, 128, 4)
 # _wgrad_kernel: rows per block -> (columns per program, warps), from benchmarks/bench_wgrad_quantizer.py
-# (the four wgrad operands of mixtral-8x7b / deepseek-v3-ep8, bits equal for every tile): fp8_block's 128-row blocks 32 columns at 4 warps, 2.76 -> 1.35 / 2.32 ->
-# 1.23 ms against the earlier 128 columns at 8 warps (143 registers: one CTA per SM; 32×4 takes ~120,
-# several CTAs per SM keep more loads in flight); mxfp8's 32-row blocks 64 columns at 2 warps, 1.44 ->
-# 1.34 / 1.08 -> 1.00 ms. nvfp4's 16-row blocks (Hadamard) were not swept. Settable for that bench.
+# (the four wgrad operands of mixtral-8x7b / deepseek-v3-ep8, bits equal for every tile): fp8_block's
+# 128-row blocks 32 columns at 4 warps, 2.76 -> 1.35 / 2.32 -> 1.23 ms against 128 columns at 8 warps
+# (143 registers: one CTA per SM; 32×4 takes ~120, several CTAs per SM keep more loads in flight);
+# mxfp8's 32-row blocks 64 columns at 2 warps, 1.44 -> 1.34 / 1.08 -> 1.00 ms. nvfp4's 16-row blocks
+# (Hadamard) were not swept. Settable for that bench.
 WGRAD_TILE = {128: (32, 4), 32: (64, 2), 16: (128, 8)}
 COL_TILE = (64, 4)
 
@@ -350,7 +351,8 @@ def quantize_wgrad(
         )  # fmt: skip
     if rid == _MXFP8:
         scales = scales.view(torch.float8_e8m0fnu)
-    return QuantizedTensor.of(recipe, codes.view(torch.float8_e4m3fn), scales, shape, 0, (B,), rows=rows, codes_t=codes_t)
+    codes = codes.view(torch.float8_e4m3fn)
+    return QuantizedTensor.of(recipe, codes, scales, shape, 0, (B,), rows=rows, codes_t=codes_t)
 
 
 def _check_wgrad(t: Tensor, splits: Tensor) -> None:
