@@ -6,7 +6,7 @@ What must agree, and how closely:
 * The quantized operands are bit for bit the reference's (tests/kernels/test_quant.py and
   tests/test_dequantized_triton.py check the quantizers); the GEMMs then differ only in fp32
   accumulation order (fp8_block: the promoted 128-deep steps, tests/kernels/test_gemm_fp8.py and
-  test_fp8_wgrad.py bound them).
+  kernels/test_fp8_wgrad.py bound them).
 * h (FC1's output, stored in x.dtype) therefore equals the reference's or is one bf16 ulp away.
 * Everything after a second quantization (z for FC2, g_h for dx and dW1) could flip a code where an
   fp32 value sits on a rounding boundary of the recipe's element format; with order noise ~1e-7 of
