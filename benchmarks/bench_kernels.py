@@ -26,61 +26,9 @@ import torch
 
 from moemlp import kernels as K
 from moemlp import reference as R
-from moemlp._config import MLPConfig
-from moemlp.activations import ACTIVATIONS
-from moemlp.kernels import _grouped_gemm as gg
+from moemlp.kernels import gemm as gg
 
-# (H, F, E, top_k, tokens), ANCHORS.md
-SHAPES = {
-    "qwen3-30b-a3b": (2048, 768, 128, 8, 4096),
-    "mixtral-8x7b": (4096, 14336, 8, 2, 8192),
-    "deepseek-v3-ep8": (7168, 2048, 32, 8, 4096),
-    "gpt-oss-120b": (2880, 2880, 128, 4, 4096),
-}
-
-
-def problem(H, F, E, top_k, tokens, seed=0, dtype=torch.bfloat16, device="cuda"):
-    """Uniform random top-k routing, rows grouped by expert; weights scaled to unit-variance outputs."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    choice = torch.rand(tokens, E, generator=g).topk(top_k, dim=1).indices
-    splits = torch.bincount(choice.flatten(), minlength=E)
-    M = tokens * top_k
-
-    def r(*s, scale):
-        return (torch.randn(*s, generator=g) * scale).to(device=device, dtype=dtype)
-
-    x = r(M, H, scale=1.0)
-    w1 = r(E, 2 * F, H, scale=H**-0.5)
-    w2 = r(E, H, F, scale=F**-0.5)
-    probs = torch.rand(M, generator=g).to(device=device, dtype=torch.float32)
-    dy = r(M, H, scale=1.0)
-    return x, splits.to(device), probs, w1, w2, dy
-
-
-def swiglu_cfg(F):
-    spec = ACTIVATIONS["swiglu"]
-    return MLPConfig(spec, (), F, False)
-
-
-def composition(x, splits, probs, w1, w2):
-    """TransformerEngine-on-Hopper style: _grouped_mm FC1 → SwiGLU · probs (rounded) → _grouped_mm FC2."""
-    offs = torch.cumsum(splits, 0).to(torch.int32)
-    h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
-    F = w2.shape[-1]
-    gate, up = h[:, :F], h[:, F:]
-    z = torch.nn.functional.silu(gate) * up * probs.to(x.dtype)[:, None]
-    return torch._grouped_mm(z, w2.transpose(-2, -1), offs=offs)
-
-
-def bench(fn, rep=200):
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=50, rep=rep, return_mode="median"))
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return (a - b).norm().item() / max(b.norm().item(), 1e-300)
+from moemlp.bench.kernels import SHAPES, bench, composition, problem, rel, swiglu_cfg  # noqa: F401
 
 
 def check_shape(name, H, F, E, top_k, tokens, log):
@@ -120,12 +68,13 @@ def check_shape(name, H, F, E, top_k, tokens, log):
     # fp32 accumulation over K = H accurate enough for SPEC's 1e-5 by itself?
     for promote in (True, False):
         c = dataclasses.replace(gg.default_config("fc2_dgrad", F, H, True), PROMOTE=promote)
-        parts = torch.empty(triton_cdiv(F, c.BN), x.shape[0], device=x.device)
         g_h = torch.empty(x.shape[0], 2 * F, dtype=x.dtype, device=x.device)
-        gg.launch_grouped_gemm(2, dy, w2, (H * F, 1, F), splits, probs, None, g_h, None, h, parts,
-                               F, H, 2 * F, cfg, False, False, True, c)
+        parts = gg.launch_grouped_gemm(
+            "fc2_dgrad", a=dy, b=w2, b_strides=(H * F, 1, F), splits=splits, out=g_h, N=F, K=H, N1=2 * F,
+            cfg=cfg, config=c, probs=probs, h=h, dprobs_partials=True,
+        )  # fmt: skip
         dp = torch.empty_like(probs)
-        gg.launch_dprobs_reduce(parts, dy, None, splits, dp, parts.shape[0], False)
+        gg.launch_dprobs_reduce(partial=parts, dy=dy, fc2_bias=None, splits=splits, dprobs=dp, bias_term=False)
         lines.append(f"  dprobs with PROMOTE={promote}: err {rel(dp, ref64[1]):.2e}")
     grads2 = K.grouped_mlp_bwd(dy, x, h, splits, probs, w1, w2, None, None, cfg, needs)
     det = all(torch.equal(a, b) for a, b in zip(grads[:4], grads2[:4]))
@@ -244,21 +193,22 @@ def time_shape(name, H, F, E, top_k, tokens, sweep, rows_out):
     kernels = {
         # name: (flops, fn(config), default config)
         "fc1": (4.0 * M * H * F, lambda c: gg.launch_grouped_gemm(
-            0, x, w1, (N1 * H, H, 1), splits, probs, None, h, z, None, None, F, H, N1, cfg, False, True, False, c),
-            gg.default_config("fc1", F, H, True)),
+            "fc1", a=x, b=w1, b_strides=(N1 * H, H, 1), splits=splits, out=h, N=F, K=H, N1=N1, cfg=cfg,
+            config=c, probs=probs, z=z), gg.default_config("fc1", F, H, True)),
         "fc2": (2.0 * M * H * F, lambda c: gg.launch_grouped_gemm(
-            1, z, w2, (H * F, F, 1), splits, probs, None, yb, None, None, None, H, F, N1, cfg, False, False, False, c),
-            gg.default_config("fc2", H, F, True)),
+            "fc2", a=z, b=w2, b_strides=(H * F, F, 1), splits=splits, out=yb, N=H, K=F, N1=N1, cfg=cfg,
+            config=c, probs=probs), gg.default_config("fc2", H, F, True)),
         "fc2_dgrad": (2.0 * M * H * F, lambda c: gg.launch_grouped_gemm(
-            2, dy, w2, (H * F, 1, F), splits, probs, None, g_h, z, h,
-            torch.empty(triton_cdiv(F, c.BN), M, device=x.device), F, H, N1, cfg, False, True, True, c),
-            gg.default_config("fc2_dgrad", F, H, True)),
+            "fc2_dgrad", a=dy, b=w2, b_strides=(H * F, 1, F), splits=splits, out=g_h, N=F, K=H, N1=N1,
+            cfg=cfg, config=c, probs=probs, z=z, h=h, dprobs_partials=True), gg.default_config("fc2_dgrad", F, H, True)),
         "fc1_dgrad": (4.0 * M * H * F, lambda c: gg.launch_grouped_gemm(
-            3, g_h, w1, (N1 * H, 1, H), splits, None, None, dx, None, None, None, H, N1, N1, cfg, False, False, False, c),
-            gg.default_config("fc1_dgrad", H, N1, True)),
-        "wgrad_w1": (4.0 * M * H * F, lambda c: gg.launch_grouped_wgrad(g_h, x, splits, None, dw1, None, False, c),
+            "fc1_dgrad", a=g_h, b=w1, b_strides=(N1 * H, 1, H), splits=splits, out=dx, N=H, K=N1, N1=N1,
+            cfg=cfg, config=c), gg.default_config("fc1_dgrad", H, N1, True)),
+        "wgrad_w1": (4.0 * M * H * F, lambda c: gg.launch_grouped_wgrad(g=g_h, x=x, splits=splits, dw=dw1, db=None,
+                                                                         config=c),
                      gg.default_config("wgrad", 0, 0, True)),
-        "wgrad_w2": (2.0 * M * H * F, lambda c: gg.launch_grouped_wgrad(dy, z, splits, None, dw2, None, False, c),
+        "wgrad_w2": (2.0 * M * H * F, lambda c: gg.launch_grouped_wgrad(g=dy, x=z, splits=splits, dw=dw2, db=None,
+                                                                         config=c),
                      gg.default_config("wgrad", 0, 0, True)),
     }
     peer = {
@@ -289,10 +239,6 @@ def time_shape(name, H, F, E, top_k, tokens, sweep, rows_out):
                 "ms": ms, "tflops": flops / ms / 1e9, "peer_tflops": flops / tp / 1e9,
             })
     return kern_rows
-
-
-def triton_cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def print_rows(rows, cols, file=sys.stdout):

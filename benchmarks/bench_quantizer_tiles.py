@@ -1,4 +1,4 @@
-"""Tile sweep of the 1-D block quantizer (mxfp8 / nvfp4 dequantize passes, kernels/quantize.py
+"""Tile sweep of the 1-D block quantizer (mxfp8 / nvfp4 dequantize passes, kernels/quant/
 ROW_TILE / COL_TILE) on one ANCHORS.md shape, each result checked bit for bit against the current
 default tile's (the GPU-tested one) before it is timed.
 
@@ -12,17 +12,14 @@ default's. Last, per recipe and axis, the summed time of the parts for each tile
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from collections import defaultdict
 
 import torch
 
-from moemlp.kernels import quantize as kq
+from moemlp.kernels.quant import api as kq
 from moemlp.recipes import recipe
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import SHAPES, bench  # noqa: E402
+from moemlp.bench.kernels import SHAPES, bench
 
 ROW_TILES = [(32, 128, 4), (64, 128, 4), (64, 128, 8), (32, 256, 4), (64, 256, 8), (128, 128, 8), (16, 128, 4)]
 COL_TILES = [(64, 4), (128, 4), (128, 8), (256, 8), (32, 4)]

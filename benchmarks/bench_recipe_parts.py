@@ -15,18 +15,14 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import sys
 
 import torch
 
-from moemlp.kernels import _grouped_gemm as gg
-from moemlp.kernels import quantize as kq
-from moemlp.kernels._fp8_gemm import fp8_block_grouped_gemm
-from moemlp.kernels._fp8_wgrad import fp8_block_grouped_wgrad
+from moemlp.kernels import gemm as gg
+from moemlp.kernels.quant import api as kq
 from moemlp.recipes import recipe
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import SHAPES, bench  # noqa: E402
+from moemlp.bench.kernels import SHAPES, bench
 
 
 def main():
@@ -81,20 +77,23 @@ def main():
     row("fp8 quantize_wgrad(g_h fp32, transposed=True)",
         bench(lambda: kq.quantize_wgrad(g_h, splits, fp8, True, transposed=True)), g_h.numel() * 5 * gb)
     qx = kq.quantize(x, fp8, -1)
-    row("fp8 FC1 GEMM (plain epilogue)", bench(lambda: fp8_block_grouped_gemm(qx, qw1, splits, torch.bfloat16)))
+    out = torch.empty(x.shape[0], w1.shape[1], device="cuda", dtype=torch.bfloat16)
+    nb, kb = qw1.scales.shape[1:]
+    row("fp8 FC1 GEMM (plain epilogue)", bench(lambda: gg.launch_grouped_gemm(
+        "fc2", a=qx.codes, b=qw1.codes, b_strides=(2 * F * H, H, 1), splits=splits, out=out, N=2 * F, K=H,
+        N1=2 * F, cfg=None, config=gg.default_config("fc2", 0, 0, False, fp8=True), a_scales=qx.scales,
+        b_scales=qw1.scales, b_scale_strides=(nb * kb, kb, 1))))
     offs = torch.cumsum(splits, 0).to(torch.int32)
     row("bf16 FC1 GEMM torch._grouped_mm", bench(lambda: torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)))
-    gq = kq.quantize_wgrad(g_h, splits, fp8, True)
-    xq = kq.quantize_wgrad(x, splits, fp8)
-    row("fp8 wgrad dW1 (incl. torch code transposes)", bench(lambda: fp8_block_grouped_wgrad(gq, xq, splits)))
     gq_t = kq.quantize_wgrad(g_h, splits, fp8, True, transposed=True)
     xq_t = kq.quantize_wgrad(x, splits, fp8, transposed=True)
-    row("fp8 wgrad dW1 (quantizers' transposed codes)", bench(lambda: fp8_block_grouped_wgrad(gq_t, xq_t, splits)))
+    row("fp8 wgrad dW1 (quantizers' transposed codes)", bench(lambda: gg.fp8_grouped_wgrad(
+        g_t=gq_t.codes_t, g_scales=gq_t.scales, x_t=xq_t.codes_t, x_scales=xq_t.scales, splits=splits, T=x.shape[0])))
     g_bf = g_h.bfloat16()
     dw = torch.empty(E, 2 * F, H, device="cuda", dtype=torch.bfloat16)
     cfg = gg.default_config("wgrad", 0, 0, True)
-    row("bf16 wgrad dW1 (moemlp kernel)", bench(lambda: gg.launch_grouped_wgrad(g_bf, x, splits, None, dw, None,
-                                                                               False, cfg)))
+    row("bf16 wgrad dW1 (moemlp kernel)", bench(lambda: gg.launch_grouped_wgrad(g=g_bf, x=x, splits=splits, dw=dw, db=None,
+                                                                               config=cfg)))
     for name, r in (("mxfp8", mx), ("nvfp4", nv)):
         row(f"{name} dequantized(x)", bench(lambda r=r: kq.dequantized(x, r, -1)), x.numel() * 4 * gb)
         row(f"{name} dequantized(z fp32)", bench(lambda r=r: kq.dequantized(zf, r, -1, tiny_blocks_exact=False)),

@@ -1,4 +1,4 @@
-"""Tile sweep of the weight-gradient operand quantizer (kernels/quantize.py ``_wgrad_kernel``,
+"""Tile sweep of the weight-gradient operand quantizer (kernels/quant/ ``_wgrad_kernel``,
 ``WGRAD_TILE``) on the ANCHORS.md shapes, each tile's output checked bit for bit against the
 default tile's before it is timed.
 
@@ -14,7 +14,7 @@ in rows as well, the launch before that session) by calling the kernel directly:
 results/2026-11-30-h200-session6/wgrad_quantizer.log. Then, per recipe, the summed time of the four
 operands for each tile.
 
-``--gemm``: also the fp8 wgrad GEMM (``fp8_block_grouped_wgrad_kmajor``, dW1 and dW2) per
+``--gemm``: also the fp8 wgrad GEMM (``gemm.fp8_grouped_wgrad``, dW1 and dW2) per
 ``Fp8WgradConfig`` beside moemlp's bf16 wgrad kernel on the same operands, each config's result
 checked against the default config's (relative difference; the 128-deep products' internal order
 may differ between tile shapes).
@@ -23,17 +23,14 @@ may differ between tile shapes).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from collections import defaultdict
 
 import torch
 
-from moemlp.kernels import quantize as kq
+from moemlp.kernels.quant import api as kq
 from moemlp.recipes import recipe
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import SHAPES, bench  # noqa: E402
+from moemlp.bench.kernels import SHAPES, bench
 
 TILES = {128: [(128, 8), (64, 8), (64, 4), (32, 4), (128, 16), (256, 16), (32, 8)],
          32: [(128, 4), (64, 4), (256, 4), (128, 8), (256, 8), (64, 2)]}  # fmt: skip
@@ -59,8 +56,8 @@ GEMM_CONFIGS = [(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (64, 128, 4
 
 
 def sweep_gemm(shape):
-    from moemlp.kernels import _grouped_gemm as gg
-    from moemlp.kernels._fp8_wgrad import Fp8WgradConfig, default_fp8_wgrad_config, fp8_block_grouped_wgrad_kmajor
+    from moemlp.kernels import gemm as gg
+    from moemlp.kernels.gemm import Fp8WgradConfig, default_fp8_wgrad_config, fp8_grouped_wgrad
 
     H, F, E, top_k, tokens = SHAPES[shape]
     M = tokens * top_k
@@ -78,13 +75,13 @@ def sweep_gemm(shape):
         flops = 2.0 * M * g.shape[1] * a.shape[1]
 
         def run(cfg):
-            return fp8_block_grouped_wgrad_kmajor(gq.codes_t, gq.scales, aq.codes_t, aq.scales, splits, M,
-                                                  out_dtype=torch.bfloat16, config=cfg)  # fmt: skip
+            return fp8_grouped_wgrad(g_t=gq.codes_t, g_scales=gq.scales, x_t=aq.codes_t, x_scales=aq.scales,
+                                     splits=splits, T=M, out_dtype=torch.bfloat16, config=cfg)  # fmt: skip
 
         ref = run(default_fp8_wgrad_config()).float()
         dw = torch.empty(E, g.shape[1], a.shape[1], device="cuda", dtype=torch.bfloat16)
         cfg16 = gg.default_config("wgrad", 0, 0, True)
-        ms = bench(lambda: gg.launch_grouped_wgrad(g, a, splits, None, dw, None, False, cfg16))
+        ms = bench(lambda: gg.launch_grouped_wgrad(g=g, x=a, splits=splits, dw=dw, db=None, config=cfg16))
         print(f"  {name} bf16 wgrad kernel            {ms:8.3f} ({flops / ms / 1e9:5.0f})")
         for c in GEMM_CONFIGS:
             cfg = Fp8WgradConfig(*c)

@@ -38,14 +38,14 @@ if has tests || has bf16tests; then
     group moe ${TEST_LIMIT:-230} tests/test_moe.py tests/test_dispatch.py tests/test_router.py &
   fi
   if has tests; then
-    group recipes_mlp ${TEST_LIMIT:-230} tests/test_recipes_triton.py tests/test_load_path_dequant.py &
-    group recipes_gemm ${TEST_LIMIT:-230} tests/test_fp8_gemm.py tests/test_fp8_wgrad.py tests/test_recipes.py tests/test_wgrad_codes.py \
-      tests/test_weight_reuse_triton.py tests/test_weight_cache_triton.py &
-    group quant_fp8 ${TEST_LIMIT:-230} tests/test_quantize_triton.py -k "gpu and fp8_block" &
-    group quant_mx ${TEST_LIMIT:-230} tests/test_quantize_triton.py -k "gpu and mxfp8" &
-    group quant_nv ${TEST_LIMIT:-230} tests/test_quantize_triton.py -k "gpu and nvfp4" &
-    group quant_rest ${TEST_LIMIT:-230} tests/test_quantize_triton.py -k "not (gpu and (fp8_block or mxfp8 or nvfp4))" &
-    group dequant ${TEST_LIMIT:-230} tests/test_dequantized_triton.py &
+    group recipes_mlp ${TEST_LIMIT:-230} tests/kernels/test_mlp_recipes.py &
+    group recipes_gemm ${TEST_LIMIT:-230} tests/kernels/test_gemm_fp8.py tests/kernels/test_fp8_wgrad.py tests/recipes \
+      tests/kernels/test_weight_reuse.py tests/kernels/test_weight_cache.py &
+    group quant_fp8 ${TEST_LIMIT:-230} tests/kernels/test_quant.py -k "gpu and fp8_block" &
+    group quant_mx ${TEST_LIMIT:-230} tests/kernels/test_quant.py -k "gpu and mxfp8" &
+    group quant_nv ${TEST_LIMIT:-230} tests/kernels/test_quant.py -k "gpu and nvfp4" &
+    group quant_rest ${TEST_LIMIT:-230} tests/kernels/test_quant.py -k "not (gpu and (fp8_block or mxfp8 or nvfp4))" &
+    group dequant ${TEST_LIMIT:-230} tests/kernels/test_dequantized.py &
   fi
   wait
   cat "$OUT"/tests_*.sum
@@ -71,13 +71,6 @@ if has profile && fits profile 110; then  # fp8_block's kernel time per step, we
       > "$OUT/profile_$shape.log" 2>&1
   done
   cat "$OUT"/profile_*.log > "$OUT/profile.log"; rm "$OUT"/profile_*.log; grep '^==' "$OUT/profile.log"
-fi
-if has loadpath && fits loadpath 120; then  # mxfp8/nvfp4: load-path dequantization against the pass
-  # shell-split on purpose: LOADPATH_ARGS="--shapes mixtral-8x7b --modes both,act"
-  # shellcheck disable=SC2086
-  timeout $(( DEADLINE - SECONDS )) python3 benchmarks/bench_load_path.py ${LOADPATH_ARGS:---fc1-configs} \
-    > "$OUT/load_path.log" 2>&1
-  grep -v Warn "$OUT/load_path.log" | tail -22
 fi
 if has wgradq && fits wgradq 120; then  # the wgrad operand quantizer's tiles and the fp8 wgrad GEMM's configs
   timeout $(( DEADLINE - SECONDS )) python3 benchmarks/bench_wgrad_quantizer.py --gemm > "$OUT/wgrad_quantizer.log" 2>&1

@@ -7,22 +7,19 @@ Prints, per recipe, each kernel's GPU time per step (ms, summed over its launche
 count, largest first, and the step total; warm-up steps run first, then ``--steps`` profiled ones.
 ``fp8_block_wcache``: fp8_block with the weights quantized once before the steps (``quantize_weights``),
 what a later micro-batch of an optimizer step runs. ``--trace`` also prints the launches of one step in order (≥ 0.05 ms), which tells the GEMMs of one
-kernel apart (FC1, FC2, FC2_DGRAD, FC1_DGRAD of ``_grouped_gemm_kernel``).
+kernel apart (FC1, FC2, FC2_DGRAD, FC1_DGRAD of ``grouped_gemm_kernel``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
 from moemlp import quantize_weights
 from moemlp.functional import grouped_mlp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import SHAPES, problem  # noqa: E402
+from moemlp.bench.kernels import SHAPES, problem
 
 
 def profile(

@@ -3,7 +3,7 @@
 ``@triton.jit`` reads TRITON_INTERPRET when a kernel is decorated (triton 3.9: triton/runtime/jit.py
 checks ``knobs.runtime.interpret`` in the decorator), i.e. when moemlp.kernels is first imported.
 Setting it inside the test process would switch every later test's kernels onto the interpreter,
-so the CPU cases run in a child pytest with TRITON_INTERPRET=1 (as tests/test_quantize_triton.py
+so the CPU cases run in a child pytest with TRITON_INTERPRET=1 (as tests/kernels/test_quant.py
 does), and the parent process only starts it.
 """
 

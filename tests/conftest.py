@@ -17,11 +17,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def quantize_weight_calls(monkeypatch):
-    """(shape, transposed) of every Triton ``quantize_weight`` call. Its callers (kernels._operands,
+    """(shape, transposed) of every Triton ``quantize_weight`` call. Its callers (kernels.operands,
     moemlp._quantized_weights) look it up on the module object at each call, so patching the module
     is seen. Imported here, not at the top: the interpreter child must decorate the kernels under
     TRITON_INTERPRET=1 (tests/_triton_env.py)."""
-    from moemlp.kernels import quantize as kq
+    from moemlp.kernels.quant import api as kq
 
     calls = []
     original = kq.quantize_weight

@@ -20,7 +20,7 @@ from moemlp import kernels as K
 from moemlp import reference as R
 from moemlp._config import MLPConfig
 from moemlp.activations import ACTIVATIONS
-from moemlp.kernels import _grouped_gemm as gg
+from moemlp.kernels import gemm as gg
 
 GRADS = ("dx", "dprobs", "dw1", "dw2", "db1", "db2")
 

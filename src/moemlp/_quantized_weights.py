@@ -3,7 +3,7 @@
 
 Under fp8_block each forward quantizes W1 and W2 in 128×128 tiles, with the codes for the forward
 GEMM and the K-major ``codes_t`` for the backward's dgrad from one quantizer pass (kernels/
-_operands.py). With gradient accumulation the weights do not change between the micro-batches of
+operands.py). With gradient accumulation the weights do not change between the micro-batches of
 an optimizer step, so that pass can run once per step: ``quantize_weights`` does it, and
 ``grouped_mlp(..., quantized_weights=qw)`` then runs no weight quantization at all, forward or
 backward. The object remembers which tensors it was made from (``data_ptr`` and the in-place
@@ -152,16 +152,16 @@ def quantize_weights(fc1_weight: Tensor, fc2_weight: Tensor, recipe) -> Quantize
 
 
 def _triton_quantizer(device: torch.device):
-    """kernels.quantize where the Triton quantizer runs on ``device``, else None."""
+    """kernels.quant.api where the Triton quantizer runs on ``device``, else None."""
     try:
         from . import kernels
     except ImportError:
         return None
     if not kernels.is_available(device):
         return None
-    from .kernels import quantize
+    from .kernels.quant import api
 
-    return quantize
+    return api
 
 
 def _quantize(w: Tensor, r, use_triton: Optional[bool] = None) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,6 +1,6 @@
 """The activation table: one entry per activation of SPEC §1, forward and derivative in torch.
 
-The Triton kernels carry their own `tl` versions of the same formulas (kernels/_activations.py),
+The Triton kernels carry their own `tl` versions of the same formulas (kernels/gemm/activations.py),
 keyed by the same ``kernel_id``; tests check the two tables agree elementwise.
 
 Every function here works on fp32 or fp64 tensors and returns the same dtype: the grouped MLP

@@ -80,7 +80,7 @@ def _grouped_mlp_fwd_op(
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """(y, h, saved). ``keep_dgrad`` [W1, W2]: the weights whose dgrad the backward will run; the
     Triton backend under fp8_block returns their quantized dgrad operands in ``saved`` (codes_t and
-    tile scales of each weight, kernels._operands.saved_dgrad) for grouped_mlp_bwd, so that each
+    tile scales of each weight, kernels.operands.saved_dgrad) for grouped_mlp_bwd, so that each
     weight is quantized once per forward + backward. [] on the torch backend, under the other
     recipes, and when nothing is kept.
 
@@ -102,9 +102,9 @@ def _(x, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *args):
     recipe, backend, keep_dgrad, quantized_weights = args[-4:]
     saved = []
     if backend != "torch" and recipe and not quantized_weights:
-        from .kernels import _operands
+        from .kernels import saved_dgrad_like
 
-        saved = _operands.saved_dgrad_like((fc1_weight, fc2_weight), _recipes().from_key(recipe), keep_dgrad)
+        saved = saved_dgrad_like((fc1_weight, fc2_weight), _recipes().from_key(recipe), keep_dgrad)
     return x.new_empty(x.shape), x.new_empty((x.shape[0], fc1_weight.shape[1])), saved
 
 

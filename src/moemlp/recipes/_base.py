@@ -53,6 +53,27 @@ class QuantizedTensor:
     rows: Optional[Tensor] = None
     codes_t: Optional[Tensor] = None
 
+    @classmethod
+    def of(
+        cls,
+        recipe: Recipe,
+        codes: Tensor,
+        scales: Tensor,
+        shape: tuple[int, ...],
+        axis: int,
+        block: tuple[int, ...],
+        tensor_scale: Optional[Tensor] = None,
+        rows: Optional[Tensor] = None,
+        codes_t: Optional[Tensor] = None,
+    ) -> QuantizedTensor:
+        """A QuantizedTensor of ``recipe``'s codes and scales made elsewhere (the Triton quantizers),
+        laid out as that recipe's own quantizer lays them out (fields above); it dequantizes as the
+        recipe does for ``block``."""
+        return cls(
+            codes=codes, scales=scales, shape=tuple(shape), axis=axis, block=tuple(block),
+            _dequantize=recipe._dequantizer(tuple(block)), tensor_scale=tensor_scale, rows=rows, codes_t=codes_t,
+        )  # fmt: skip
+
     def dequantize(self) -> Tensor:
         """fp32 tensor of the source shape."""
         values = self._dequantize(self)
@@ -166,11 +187,19 @@ class Recipe:
     """Base of the recipe objects: frozen dataclasses whose fields are their options.
 
     A subclass gives ``name``, ``block`` (the 1-D block length along a GEMM's reduction dim),
-    ``quantize(x, axis)`` and ``quantize_weight(w)``.
+    ``kernel_id`` (the Triton kernels' RECIPE constexpr), ``native`` (whether Hopper's tensor cores
+    run its element format: else the kernels emulate it exactly on bf16 values), ``quantize(x, axis)``,
+    ``quantize_weight(w)`` and ``_dequantizer(block)``.
     """
 
     name: str = ""
     block: int = 0
+    kernel_id: Optional[int] = None
+    native: bool = False
+
+    def _dequantizer(self, block: tuple[int, ...]) -> Callable[[QuantizedTensor], Tensor]:
+        """The dequantization of this recipe's QuantizedTensors with ``block``."""
+        raise NotImplementedError
 
     # -- identity across the custom-op boundary --
     @property

@@ -66,6 +66,11 @@ class FP8BlockRecipe(Recipe):
     pow2_scales: bool = True
     name = "fp8_block"
     block = BLOCK
+    kernel_id = 0
+    native = True
+
+    def _dequantizer(self, block):
+        return _dequantize_tiles if len(block) == 2 else _dequantize_rows
 
     def quantize(self, x: Tensor, axis: int = -1) -> QuantizedTensor:
         """1×128 blocks along ``axis``."""

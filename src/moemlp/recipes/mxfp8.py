@@ -37,6 +37,10 @@ class MXFP8Recipe(Recipe):
 
     name = "mxfp8"
     block = BLOCK
+    kernel_id = 1
+
+    def _dequantizer(self, block):
+        return _dequantize
 
     def quantize(self, x: Tensor, axis: int = -1) -> QuantizedTensor:
         """1×32 blocks along ``axis``; scales as float8_e8m0fnu (``.view(torch.uint8)`` gives e)."""

@@ -61,6 +61,11 @@ def tensor_scale(x: Tensor) -> Tensor:
     return F.nvfp4_tensor_scale(F.abs_max(x.float().reshape(-1), dim=0)[0])
 
 
+def tensor_scale_from_amax(amax: Tensor) -> Tensor:
+    """S_enc (fp32 0-d) from a tensor's NaN-ignoring amax (fp32 0-d)."""
+    return F.nvfp4_tensor_scale(amax)
+
+
 def quantize_blocks(xb: Tensor, s_enc: Tensor, u: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """xb (…, nb, 16) fp32 -> (codes uint8 like xb, s float8_e4m3fn (…, nb, 1) with NaN blocks
     marked, and the dequantized values fp32 like xb). ``u``: uniforms for stochastic rounding."""
@@ -116,6 +121,10 @@ class NVFP4Recipe(Recipe):
     stochastic_rounding: bool = False
     name = "nvfp4"
     block = BLOCK
+    kernel_id = 2
+
+    def _dequantizer(self, block):
+        return _dequantize
 
     def quantize(self, x: Tensor, axis: int = -1) -> QuantizedTensor:
         """1×16 blocks along ``axis``; codes packed two per uint8 along ``axis``."""

@@ -3,7 +3,7 @@
 Every function takes and returns fp32 tensors: the epilogues evaluate activations from the fp32
 accumulator (forward) or from the stored h upcast to fp32 (backward). The formulas are written the
 way activations.py writes them, operation for operation, so the two tables agree to a few fp32 ulps;
-tests/test_kernels_activations.py checks that elementwise.
+tests/kernels/test_activations.py checks that elementwise.
 
 Kernel ids (ActivationSpec.kernel_id): 0 swiglu, 1 clamped_swiglu, 2 situglu, 3 geglu (GLU);
 4 srelu, 5 gelu (unary). Parameters arrive as three fp32 scalars p0, p1, p2 in the canonical order

@@ -1,10 +1,13 @@
-"""GEMM operands of the Triton grouped MLP under each recipe (SPEC §3), in the form the grouped-GEMM
-launchers take them.
+"""GEMM operands of the Triton grouped MLP, for the compute dtype and under each recipe (SPEC §3),
+and the launches that take them: ``gemm`` (FC1, FC2, FC2_DGRAD, FC1_DGRAD) and ``wgrad`` (a weight
+gradient and its bias gradient). The schedule (mlp.py) calls these two and the dprobs reduce; the
+recipe decides everything here, through its ``native`` flag.
 
-Every GEMM of the MLP quantizes both operands along its reduction dim. Two ways to run that:
+Without a recipe the operands are the tensors themselves. Under a recipe every GEMM of the MLP
+quantizes both operands along its reduction dim, one of two ways:
 
-* native (fp8_block): e4m3 codes and fp32 block scales go to the FP8 mode of
-  ``_grouped_gemm_kernel`` (forward and dgrad GEMMs) and to ``_fp8_wgrad`` (weight gradients); the
+* native (fp8_block): e4m3 codes and fp32 block scales go to the FP8 mode of the grouped GEMM
+  (forward and dgrad GEMMs) and to ``launch.fp8_grouped_wgrad`` (weight gradients); the
   partial sums are promoted every 128-deep step. Weights are quantized in 128×128 tiles, which
   serve both the forward (rows n, reduction k) and the dgrad (the same tiles read transposed): the
   dgrad takes a K-major copy of the codes (``codes_t``), since Hopper's e4m3 wgmma reads both
@@ -17,12 +20,8 @@ Every GEMM of the MLP quantizes both operands along its reduction dim. Two ways 
   builds its Weights from them (``cached_weights``).
 * emulated (mxfp8, nvfp4): the bf16 kernels run on each operand's dequantized values
   code·block_scale in bf16; nvfp4's per-tensor factors (1/S_enc of each operand) multiply the fp32
-  accumulator (ACC_SCALE) before any epilogue. By default a ``quantize.dequantized*`` pass stores
-  the values first. In the forward and dgrad GEMMs the kernel can instead form them in its load
-  path from the quantizer's codes and scales (``LOAD_PATH_ACT`` / ``LOAD_PATH_WEIGHT``: the
-  kernel's A_DQ / B_DQ), the same bf16 values and so the same result bits; off, since it measured
-  slower (the comment at the switches). The weight-gradient GEMMs (operands blocked along the rows
-  in the expert-padded layout) always take the pass. Exact for
+  accumulator (ACC_SCALE, their product taken by the launcher) before any epilogue. A ``quantize.dequantized*`` pass stores the values
+  first (docs/DECISIONS.md: forming them in the GEMM's load path was slower). Exact for
   nvfp4 and for every bf16/fp16 source; from an fp32 source (z and g_h always, x and weights
   with fp32 compute) mxfp8 values of a block whose amax is ≤ 1.05e-35 can lie below bf16's
   subnormal grid and round to it (absolute error ≤ 2^-134; ``tiny_blocks_exact=False``), instead
@@ -40,41 +39,22 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import quantize as kq
-
-# mxfp8 / nvfp4: activations (A) and weights (B) of the forward and dgrad GEMMs reach the kernel as
-# codes and scales, dequantized in its load path (True), or as bf16 values from a dequantize pass
-# (False). Off: on the H200 (triton 3.6, 2026-11-30, benchmarks/bench_load_path.py) the load-path
-# FC1 took 19.8 ms (mxfp8) and 42.1 ms (nvfp4) against 6.2 / 6.4 ms for the bf16 kernel on the
-# pass's values (mixtral-8x7b), and the whole forward + backward 88.0 / 185.9 ms against 41.4 /
-# 50.5 ms with the passes; benchmarks/NOTES.md says what limits it.
-LOAD_PATH_ACT = False
-LOAD_PATH_WEIGHT = False
+from .gemm import launch
+from .quant import api as kq
 
 
 def is_native(recipe) -> bool:
-    from ..recipes import FP8BlockRecipe
-
-    return isinstance(recipe, FP8BlockRecipe)
-
-
-def _times(f: Optional[Tensor], g: Optional[Tensor]) -> Optional[Tensor]:
-    """The product of two optional 0-d factors (one fp32 rounding), on the device."""
-    if f is None:
-        return g
-    if g is None:
-        return f
-    return f * g
+    """Whether recipe's GEMMs run on its codes (FP8 tensor cores) rather than on exact bf16 values."""
+    return recipe is not None and recipe.native
 
 
 @dataclass
 class ActOperand:
     """A of a grouped GEMM: (M, K) rows grouped by expert, quantized along K."""
 
-    a: Tensor  # e4m3 codes (native), dequantized values, or (dq) mxfp8 / nvfp4 codes as uint8
-    scales: Optional[Tensor] = None  # native: (M, ⌈K/128⌉) fp32; dq: (M, ⌈K/B⌉) uint8 scale codes
+    a: Tensor  # (M, K) e4m3 codes (native) or dequantized bf16 values
+    scales: Optional[Tensor] = None  # native: (M, ⌈K/128⌉) fp32
     factor: Optional[Tensor] = None  # nvfp4: 1/S_enc
-    dq: int = 0  # the kernel's A_DQ: 1 mxfp8 / 2 nvfp4 codes dequantized in the load path
 
 
 @dataclass
@@ -86,23 +66,16 @@ class WeightOperand:
     scales: Optional[Tensor] = None  # native: the 128×128 tile scales ...
     scale_strides: Optional[tuple[int, int, int]] = None  # ... tile (n//128, k//128) of expert e
     factor: Optional[Tensor] = None
-    dq: int = 0  # the kernel's B_DQ: b holds codes (strides in bytes), scales their (n, K block) codes
-
-
-def _factor(q) -> Optional[Tensor]:
-    """nvfp4: 1/S_enc of a quantize() result (IEEE division, as the dequantize pass's); else None."""
-    return None if q.tensor_scale is None else torch.reciprocal(q.tensor_scale)
 
 
 def act(t: Tensor, recipe) -> ActOperand:
-    if is_native(recipe):
-        q = kq.quantize(t, recipe, axis=-1)
-        return ActOperand(q.codes, scales=q.scales)
-    if LOAD_PATH_ACT:
-        q = kq.quantize(t, recipe, axis=-1)
-        return ActOperand(q.codes.view(torch.uint8), q.scales.view(torch.uint8), _factor(q), kq.recipe_id(recipe))
-    values, factor = kq.dequantized(t, recipe, axis=-1, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
-    return ActOperand(values, factor=factor)
+    if recipe is None:
+        return ActOperand(t)
+    if not is_native(recipe):
+        values, factor = kq.dequantized(t, recipe, axis=-1, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
+        return ActOperand(values, factor=factor)
+    q = kq.quantize(t, recipe, axis=-1)
+    return ActOperand(q.codes, scales=q.scales)
 
 
 class Weight:
@@ -128,7 +101,7 @@ class Weight:
         view: the dgrad reads codes_t alone; ``forward()`` quantizes again (the GEMM takes
         contiguous codes)."""
         _check_tiles(w, recipe, None, codes_t, scales)
-        return cls(w, recipe, _tiles_quantized(w, codes_t.transpose(-1, -2), codes_t, scales))
+        return cls(w, recipe, _tiles_quantized(w, recipe, codes_t.transpose(-1, -2), codes_t, scales))
 
     @classmethod
     def from_cache(cls, w: Tensor, recipe, codes: Tensor, codes_t: Tensor, scales: Tensor) -> Weight:
@@ -136,7 +109,7 @@ class Weight:
         ``codes`` and the dgrad ``codes_t``, with no quantizer pass of its own."""
         if not codes.is_contiguous():
             raise ValueError(f"codes: expected a contiguous tensor, got strides {tuple(codes.stride())}")
-        return cls(w, recipe, _tiles_quantized(w, codes, codes_t, scales))
+        return cls(w, recipe, _tiles_quantized(w, recipe, codes, codes_t, scales))
 
     def _quantized(self, transposed: bool):
         """fp8_block's tiles, with the transposed codes when the dgrad asks (one quantizer pass
@@ -155,15 +128,12 @@ class Weight:
 
     def forward(self) -> WeightOperand:
         E, R, C = self.w.shape
+        if self.recipe is None:
+            return WeightOperand(self.w, (R * C, C, 1))
         if is_native(self.recipe):
             q = self._quantized(transposed=False)
             nr, nc = q.scales.shape[1:]
             return WeightOperand(q.codes, (R * C, C, 1), q.scales, (nr * nc, nc, 1))
-        if LOAD_PATH_WEIGHT:
-            # codes (E, R, C) (nvfp4: (E, R, ⌈C/2⌉)), scales (E, R, ⌈C/B⌉): B(n, k) = W[e, n, k]
-            q = kq.quantize(self.w, self.recipe, axis=-1)
-            c, s = q.codes.view(torch.uint8), q.scales.view(torch.uint8)
-            return WeightOperand(c, tuple(c.stride()), s, tuple(s.stride()), _factor(q), kq.recipe_id(self.recipe))
         values, factor = kq.dequantized_weight(
             self.w, self.recipe, dim=-1, out_dtype=torch.bfloat16, tiny_blocks_exact=False
         )
@@ -171,31 +141,24 @@ class Weight:
 
     def dgrad(self) -> WeightOperand:
         E, R, C = self.w.shape
+        if self.recipe is None:
+            return WeightOperand(self.w, (R * C, 1, C))
         if is_native(self.recipe):
             q = self._quantized(transposed=True)
             nr, nc = q.scales.shape[1:]
             # (E, C, R) K-major codes from the quantizer's transposed store; tile scales read transposed
             return WeightOperand(q.codes_t, (R * C, R, 1), q.scales, (nr * nc, 1, nc))
-        if LOAD_PATH_WEIGHT:
-            # codes (E, R, C) (nvfp4: (E, ⌈R/2⌉, C)), scales (E, ⌈R/B⌉, C): B(n, k) = W[e, k, n]
-            q = kq.quantize(self.w, self.recipe, axis=-2)
-            c, s = q.codes.view(torch.uint8), q.scales.view(torch.uint8)
-            (ce, cr, cc), (se, sr, sc) = c.stride(), s.stride()
-            return WeightOperand(c, (ce, cc, cr), s, (se, sc, sr), _factor(q), kq.recipe_id(self.recipe))
         values, factor = kq.dequantized_weight(
             self.w, self.recipe, dim=-2, out_dtype=torch.bfloat16, tiny_blocks_exact=False
         )
         return WeightOperand(values, (R * C, 1, C), factor=factor)
 
 
-def _tiles_quantized(w: Tensor, codes: Tensor, codes_t: Tensor, scales: Tensor):
+def _tiles_quantized(w: Tensor, recipe, codes: Tensor, codes_t: Tensor, scales: Tensor):
     """The QuantizedTensor of w's fp8_block 128×128 tiles, as quantize_weight returns it."""
-    from ..recipes import QuantizedTensor, fp8_block
+    from ..recipes import QuantizedTensor
 
-    return QuantizedTensor(
-        codes=codes, scales=scales, shape=tuple(w.shape), axis=-1, block=(128, 128),
-        _dequantize=fp8_block._dequantize_tiles, codes_t=codes_t,
-    )  # fmt: skip
+    return QuantizedTensor.of(recipe, codes, scales, w.shape, -1, (128, 128), codes_t=codes_t)
 
 
 def _tiles(n: int) -> int:
@@ -230,7 +193,7 @@ def _kept(recipe, keep: Optional[Sequence[bool]]) -> Optional[tuple[bool, ...]]:
     """Which weights hand their dgrad operand from the forward to the backward; None: no list at
     all. fp8_block only: its tiles serve both GEMMs, the emulated recipes dequantize each
     orientation from the weight separately."""
-    if recipe is None or not is_native(recipe) or keep is None or not any(keep):
+    if not is_native(recipe) or keep is None or not any(keep):
         return None
     return tuple(bool(k) for k in keep)
 
@@ -281,6 +244,14 @@ def dgrad_weights(ws: Sequence[Tensor], recipe, saved: Sequence[Tensor]) -> list
     return [Weight.from_saved(w, recipe, *p) if p[0].numel() else Weight(w, recipe) for w, p in zip(ws, pairs)]
 
 
+def weights(ws: Sequence[Tensor], recipe, quantized: Sequence[Tensor] = ()) -> list[Weight]:
+    """One Weight per tensor of ``ws`` for a forward: from ``quantize_weights``' tensors when a
+    recipe runs and they are given (``cached_weights``), else quantized on first use."""
+    if recipe is not None and quantized:
+        return cached_weights(ws, recipe, quantized)
+    return [Weight(w, recipe) for w in ws]
+
+
 def cached_weights(ws: Sequence[Tensor], recipe, quantized: Sequence[Tensor]) -> list[Weight]:
     """One Weight per tensor of ``ws`` from ``quantize_weights``' tensors: codes, codes_t and scales
     of each weight in turn (checked against the weight); none of them quantizes again."""
@@ -291,54 +262,109 @@ def cached_weights(ws: Sequence[Tensor], recipe, quantized: Sequence[Tensor]) ->
     return [Weight.from_cache(w, recipe, *quantized[3 * i : 3 * i + 3]) for i, w in enumerate(ws)]
 
 
-def gemm_kwargs(a: ActOperand, b: WeightOperand) -> dict:
-    """The recipe arguments of ``_grouped_gemm.launch_grouped_gemm`` for A @ B."""
-    if a.dq or b.dq:
-        return dict(a_scales=a.scales, b_scales=b.scales, b_scale_strides=b.scale_strides, dequant=(a.dq, b.dq),
-                    acc_scale=_times(a.factor, b.factor))  # fmt: skip
-    if a.scales is not None:
-        return dict(a_scales=a.scales, b_scales=b.scales, b_scale_strides=b.scale_strides)
-    return dict(acc_scale=_times(a.factor, b.factor))
+def gemm(
+    kind: str,  # "fc1", "fc2", "fc2_dgrad" or "fc1_dgrad"
+    a: Tensor,  # (M, K) rows grouped by expert: x | z | dy | g_h, compute dtype (fp32 z / g_h under a recipe)
+    weight: Weight,  # W1 for fc1 / fc1_dgrad, W2 for fc2 / fc2_dgrad
+    *,
+    splits: Tensor,  # (E,)
+    out: Tensor,  # h (M, N1) | y (M, H) | g_h (M, N1) | dx (M, H)
+    N: int,
+    K: int,
+    N1: int,
+    cfg,  # MLPConfig
+    probs: Optional[Tensor] = None,  # (M,)
+    bias: Optional[Tensor] = None,  # fc1_bias (fc1) | fc2_bias (fc2)
+    z: Optional[Tensor] = None,  # (M, F) stored by fc1 (FC2's input) and fc2_dgrad (dW2's)
+    h: Optional[Tensor] = None,  # (M, N1) read by fc2_dgrad
+    dprobs_partials: bool = False,  # fc2_dgrad: return the dprobs partials
+) -> Optional[Tensor]:
+    """One grouped-GEMM launch of the MLP: A @ B with B(n, k) = W[e, n, k] (fc1, fc2) or W[e, k, n]
+    (the dgrads), both operands quantized first under cfg.recipe. Returns the dprobs partials when
+    asked (``launch.launch_dprobs_reduce`` sums them), else None."""
+    emulated = cfg.recipe is not None and not is_native(cfg.recipe)
+    b_op = weight.forward() if kind in ("fc1", "fc2") else weight.dgrad()
+    a_op = act(a, cfg.recipe)
+    return launch.launch_grouped_gemm(
+        kind, a=a_op.a, b=b_op.b, b_strides=b_op.strides, splits=splits, out=out, N=N, K=K, N1=N1, cfg=cfg,
+        emulated=emulated, probs=probs, bias=bias, scale_bias=kind == "fc2" and cfg.scale_fc2_bias, z=z, h=h,
+        dprobs_partials=dprobs_partials, a_scales=a_op.scales, b_scales=b_op.scales,
+        b_scale_strides=b_op.scale_strides, acc_factors=(a_op.factor, b_op.factor),
+    )  # fmt: skip
+
+
+class WgradBlocks:
+    """The row-block layout that every weight-gradient operand of one backward shares under a recipe
+    (the same splits and rows: ~12 small torch ops, computed on first use, once)."""
+
+    def __init__(self, splits: Tensor, num_rows: int, recipe):
+        self.splits, self.num_rows, self.recipe = splits, num_rows, recipe
+        self._blocks = None
+
+    def get(self) -> kq.RowBlocks:
+        if self._blocks is None:
+            self._blocks = kq.row_blocks(self.splits, self.num_rows, self.recipe.block, self.splits.device)
+        return self._blocks
 
 
 def wgrad(
-    g: Optional[Tensor],
-    x: Optional[Tensor],
-    splits: Tensor,
+    g: Tensor,  # (M, P) the gradient rows: g_h (dW1) | dy (dW2); fp32 g_h under a recipe
+    x: Optional[Tensor],  # (M, Q): x (dW1) | z (dW2); None: the bias gradient alone
+    splits: Tensor,  # (E,)
     recipe,
-    out_dtype: torch.dtype,
-    config,
-    g_kmajor: Optional[tuple[Tensor, Tensor]] = None,
-    x_kmajor: Optional[tuple[Tensor, Tensor]] = None,
-    blocks=None,
-) -> Tensor:
-    """dW (E, g.shape[1], x.shape[1]) in out_dtype: dW[e] = Gq[R_e]ᵀ @ Xq[R_e], both operands
-    quantized along the rows in blocks that restart at each expert's first row (g is the gradient:
-    nvfp4's stochastic rounding applies to it). fp8_block: ``g_kmajor`` / ``x_kmajor`` (transposed
-    codes, scales) of an operand quantized already (the FC2_DGRAD epilogue's ``WgradCodes``) stand
-    for it; the other is quantized here. g or x may then be None (not both: T is read from one).
-    ``blocks``: ``kq.row_blocks(splits, T, recipe.block)``, shared by the operands of one backward."""
-    from . import _grouped_gemm as gg
+    *,
+    dtype: torch.dtype,  # the compute dtype: sizes the bf16 tiles, and g is rounded to it for db
+    dw_dtype: torch.dtype,
+    bias: Optional[Tensor] = None,  # (E, P): the bias whose gradient to return (its shape and dtype); None: no db
+    probs: Optional[Tensor] = None,  # (M,): db = Σ g·probs with scale_bias
+    scale_bias: bool = False,
+    blocks: Optional[WgradBlocks] = None,  # shared by the wgrads of one backward; None: computed here
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """(dW, db): dW (E, P, Q) in dw_dtype, dW[e] = g[R_e]ᵀ @ x[R_e] (None without x), db = Σ_{R_e}
+    g (· probs) in bias's dtype (None without bias). Without a recipe one launch computes both; under
+    a recipe dW takes both operands quantized along the rows in blocks that restart at each expert's
+    first row (g is the gradient: nvfp4's stochastic rounding applies to it), and db comes from g
+    rounded to the compute dtype, unquantized, as the reference does."""
+    # the recipe's operands first (quantized along the rows), then the launches
+    native = is_native(recipe)
+    db = torch.empty_like(bias) if bias is not None else None
+    dw = None if x is None or native else _empty_dw(g, x, splits, dw_dtype)
+    g_op = x_op = None
+    if recipe is not None and x is not None:
+        rows = (blocks or WgradBlocks(splits, g.shape[0], recipe)).get()
+        if native:
+            g_op = kq.quantize_wgrad(g, splits, recipe, is_grad=True, transposed=True, blocks=rows)
+            x_op = kq.quantize_wgrad(x, splits, recipe, is_grad=False, transposed=True, blocks=rows)
+        else:
+            g_op = kq.dequantized_wgrad(
+                g, splits, recipe, is_grad=True, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows
+            )
+            x_op = kq.dequantized_wgrad(
+                x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows
+            )
+    config = launch.default_config("wgrad", 0, 0, False, dtype.itemsize)
+    if recipe is None:
+        if dw is not None or db is not None:
+            launch.launch_grouped_wgrad(
+                g=g, x=x, splits=splits, dw=dw, db=db, config=config, probs=probs, scale_b=scale_bias
+            )
+        return dw, db
+    if native and x is not None:
+        dw = launch.fp8_grouped_wgrad(
+            g_t=g_op.codes_t, g_scales=g_op.scales, x_t=x_op.codes_t, x_scales=x_op.scales, splits=splits,
+            T=g.shape[0], out_dtype=dw_dtype,
+        )  # fmt: skip
+    elif x is not None:
+        (g_values, g_factor), (x_values, x_factor) = g_op, x_op
+        launch.launch_grouped_wgrad(
+            g=g_values, x=x_values, splits=splits, dw=dw, db=None, config=config, acc_factors=(g_factor, x_factor)
+        )
+    if db is not None:
+        launch.launch_grouped_wgrad(
+            g=g.to(dtype), x=None, splits=splits, dw=None, db=db, config=config, probs=probs, scale_b=scale_bias
+        )
+    return dw, db
 
-    if is_native(recipe):
-        from ._fp8_wgrad import fp8_block_grouped_wgrad_kmajor
 
-        def kmajor(t, given, is_grad):
-            if given is not None:
-                return given
-            q = kq.quantize_wgrad(t, splits, recipe, is_grad=is_grad, transposed=True, blocks=blocks)
-            return q.codes_t, q.scales
-
-        T = (g if g is not None else x).shape[0]
-        g_t, g_s = kmajor(g, g_kmajor, True)
-        x_t, x_s = kmajor(x, x_kmajor, False)
-        return fp8_block_grouped_wgrad_kmajor(g_t, g_s, x_t, x_s, splits, T, out_dtype=out_dtype)
-    gv, fg = kq.dequantized_wgrad(
-        g, splits, recipe, is_grad=True, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=blocks
-    )
-    xv, fx = kq.dequantized_wgrad(
-        x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=blocks
-    )
-    dw = torch.empty((splits.shape[0], g.shape[1], x.shape[1]), dtype=out_dtype, device=g.device)
-    gg.launch_grouped_wgrad(gv, xv, splits, None, dw, None, False, config, acc_scale=_times(fg, fx))
-    return dw
+def _empty_dw(g: Tensor, x: Tensor, splits: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.empty((splits.shape[0], g.shape[1], x.shape[1]), dtype=dtype, device=g.device)

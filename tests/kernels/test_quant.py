@@ -1,4 +1,4 @@
-"""The Triton quantizers (kernels/quantize.py) against the torch reference (moemlp.recipes): codes
+"""The Triton quantizers (kernels/quant/) against the torch reference (moemlp.recipes): codes
 and scales bit for bit, rowwise, columnwise, 128×128 tiles and expert-segmented wgrad operands.
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 in a child process: triton reads the
@@ -75,7 +75,7 @@ def _same(a, b, what):
 
 
 def check_quantizers_match_torch(device: str, big: bool = False, keys=RECIPES) -> None:
-    from moemlp.kernels import quantize as kq
+    from moemlp.kernels.quant import api as kq
 
     shapes = [(37, 70), (3, 40, 33), (1, 1), (130, 129), (0, 40), (2, 0, 16)]  # empty ones: an EP rank's zero tokens
     if big:
@@ -109,7 +109,7 @@ def check_quantizers_match_torch(device: str, big: bool = False, keys=RECIPES) -
 
 
 def check_wgrad_matches_torch(device: str, big: bool = False, keys=WGRAD_RECIPES) -> None:
-    from moemlp.kernels import quantize as kq
+    from moemlp.kernels.quant import api as kq
 
     cases = [([40, 0, 7, 150], 5, 24), ([16, 16], 0, 48), ([3], 2, 20), ([0, 0], 0, 24)]  # the last: no rows at all
     if big:
@@ -152,7 +152,7 @@ def _run_interpreted(check: str) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
-    code = f"import test_quantize_triton as t; t.{check}('cpu')"
+    code = f"import test_quant as t; t.{check}('cpu')"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-5000:]
 
@@ -182,7 +182,7 @@ def test_wgrad_quantizer_matches_torch_gpu(key):
 
 
 def test_launcher_rejects_bad_inputs():
-    from moemlp.kernels import quantize as kq
+    from moemlp.kernels.quant import api as kq
 
     with pytest.raises(ValueError, match="transposed"):
         kq.quantize_weight(torch.zeros(2, 4, 6), recipe("mxfp8"), transposed=True)
@@ -208,15 +208,17 @@ def test_launcher_rejects_bad_inputs():
 def test_e4m3_rounding_on_hopper_is_the_hardware_conversion_but_for_nvfp4(rid, uses_hw):
     # Offline sm_90 compile (no GPU): fp8_block's and mxfp8's element codes round with
     # cvt.rn.satfinite.e4m3x2.f32 (half the instructions of the integer path, 2026-11-30), nvfp4's
-    # block scales keep the integer path (kernels/quantize.py, e4m3_code_integer).
+    # block scales keep the integer path (kernels/quant/, e4m3_code_integer).
     import _sm90
-    from moemlp.kernels import quantize as kq
+    from moemlp.kernels.quant import api as kq
 
-    if not getattr(kq.HW_E4M3, "value", kq.HW_E4M3):
+    from moemlp.kernels.quant import formats, kernels
+
+    if not getattr(formats.HW_E4M3, "value", formats.HW_E4M3):
         pytest.skip("the interpreter's integer path")
     const = dict(RECIPE=rid, AXIS=1, BM=32, BK=128, NB=128 // (128, 32, 16)[rid], POW2=True, VMAX=3.0e38,
                  DEQUANT=False, STORE_T=False)  # fmt: skip
     ptr = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp32" if rid == 0 else "*u8", "amax_ptr": "*fp32",
            "codes_t_ptr": "*u8"}  # fmt: skip
-    ptx, _, _ = _sm90.compile_sm90(kq._quantize_kernel, const, ptr, None, 4, 1)
+    ptx, _, _ = _sm90.compile_sm90(kernels._quantize_kernel, const, ptr, None, 4, 1)
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == uses_hw

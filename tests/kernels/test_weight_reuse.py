@@ -3,7 +3,7 @@
 The forward quantizes a weight whose dgrad the backward will run with both layouts
 (``quantize_weight(w, r, transposed=True)``), reads the codes for its GEMM and returns the K-major
 codes_t and the tile scales through ``moemlp::grouped_mlp_fwd``'s third output; the backward takes
-them through ``moemlp::grouped_mlp_bwd`` (kernels/_operands.py: ``saved_dgrad``, ``dgrad_weights``).
+them through ``moemlp::grouped_mlp_bwd`` (kernels/operands.py: ``saved_dgrad``, ``dgrad_weights``).
 
 Checked here: the gradients are bit for bit those of quantizing again in the backward; a forward +
 backward calls ``quantize_weight`` twice (once per weight); autograd keeps codes_t and scales but not
@@ -25,8 +25,8 @@ from _cases import GRAD_NAMES, make_problem, run
 from moemlp import kernels as K
 from moemlp._config import MLPConfig
 from moemlp.activations import ACTIVATIONS
-from moemlp.kernels import _operands
-from moemlp.kernels import quantize as kq
+from moemlp.kernels import operands as _operands
+from moemlp.kernels.quant import api as kq
 from moemlp.recipes import from_key
 from test_triton_backend import GRADS, make
 

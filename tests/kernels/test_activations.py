@@ -1,4 +1,4 @@
-"""The `tl` activation table (moemlp/kernels/_activations.py) against the torch table, elementwise.
+"""The `tl` activation table (moemlp/kernels/gemm/activations.py) against the torch table, elementwise.
 
 Runs on the GPU (where tl.exp is the hardware's approximate exp2), or under TRITON_INTERPRET=1 in
 a child pytest on a CPU-only machine (tests/_triton_env.py says why). Tolerance against the float64
@@ -18,7 +18,7 @@ import triton.language as tl
 
 import _triton_env
 from moemlp.activations import ACTIVATIONS
-from moemlp.kernels._activations import glu_backward, glu_forward, unary_backward, unary_forward
+from moemlp.kernels.gemm.activations import glu_backward, glu_forward, unary_backward, unary_forward
 
 runnable = pytest.mark.skipif(
     not (torch.cuda.is_available() or _triton_env.RUN_CPU_CASES),

@@ -1,5 +1,5 @@
-"""The native fp8_block grouped GEMM (kernels/_fp8_gemm.py) against its torch emulation and against
-float64 on the unquantized inputs.
+"""The FP8 mode of the grouped GEMM (kernels/gemm/grouped.py, FC2's plain epilogue without probs)
+against its torch emulation and against float64 on the unquantized inputs.
 
 Emulation: the torch reference quantizers (moemlp.recipes) give codes and scales; dequantize them in
 fp32 (``QuantizedTensor.dequantize``), multiply per expert in float64. The kernel computes the same
@@ -16,7 +16,7 @@ this first-order bound per output element (u = 2^-24, |A|, |B| the dequantized o
     - the bias add: 1 rounding.
 
 On K = 300 that is 135·u = 8e-6 of the absolute sum: fp32 noise, far under the recipe's own
-error (e4m3 keeps 3 mantissa bits: ~2^-5 per operand). Measured 2026-11-30 on the cases below:
+error (e4m3 keeps 3 mantissa bits: ~2^-5 per operand). Measured on the cases below:
 at most 0.97·u, i.e. about one fp32 rounding (the bound is a worst case, not a fit).
 
 Under the interpreter the 128-deep dot is a numpy fp32 matmul of the exactly widened codes, so the
@@ -54,6 +54,23 @@ SNR_FLOOR_DB = 27.0
 @pytest.mark.skipif(not _triton_env.START_CHILD, reason="runs the CPU cases in a child on a CPU-only machine")
 def test_cpu_cases_under_interpreter():
     _triton_env.run_file_interpreted(__file__, timeout=300)
+
+
+def fp8_gemm(a, b, splits, out_dtype, bias=None, config=None):
+    """out (M, N) = dequant(A)[R_e] @ dequant(B[e])ᵀ (+ bias[e]) through the launcher: a a QuantizedTensor
+    of (M, K) or a (codes, scales) pair (1×128 blocks along K), b one of (E, N, K) 128×128 tiles."""
+    from moemlp.kernels import gemm
+
+    codes, scales = a if isinstance(a, tuple) else (a.codes, a.scales)
+    E, N, K = b.codes.shape
+    nb, kb = b.scales.shape[1:]
+    out = torch.empty((codes.shape[0], N), dtype=out_dtype, device=codes.device)
+    gemm.launch_grouped_gemm(
+        "fc2", a=codes, b=b.codes, b_strides=(N * K, K, 1), splits=splits, out=out, N=N, K=K, N1=N,
+        cfg=None, config=config or gemm.default_config("fc2", 0, 0, False, fp8=True), bias=bias, a_scales=scales,
+        b_scales=b.scales, b_scale_strides=(nb * kb, kb, 1),
+    )  # fmt: skip
+    return out
 
 
 # --- references ------------------------------------------------------------------------------------
@@ -135,7 +152,7 @@ CASES = [
 
 
 def run_case(case, device):
-    from moemlp.kernels._fp8_gemm import default_fp8_config, fp8_block_grouped_gemm
+    from moemlp.kernels import gemm
 
     _, splits, M, K, N, out_dtype, has_bias, pow2, scales_t, splits_dtype = case
     r = recipe("fp8_block", pow2_scales=pow2)
@@ -145,11 +162,11 @@ def run_case(case, device):
     if scales_t:
         a = (qa.codes, qa.scales.t().contiguous().t())  # (M, KB) values, column-major storage
     sp = torch.tensor(splits, dtype=splits_dtype, device=device)
-    out = fp8_block_grouped_gemm(a, qb, sp, out_dtype, bias=bias)
+    out = fp8_gemm(a, qb, sp, out_dtype, bias=bias)
     if K % 16 == 0:
         # TMA ran (aligned rows); the pointer mainloop must give the same bits: same tiles, same order
-        cfg = dataclasses.replace(default_fp8_config(), USE_TMA=False)
-        assert torch.equal(fp8_block_grouped_gemm(a, qb, sp, out_dtype, bias=bias, config=cfg), out)
+        cfg = dataclasses.replace(gemm.default_config("fc2", 0, 0, False, fp8=True), USE_TMA=False)
+        assert torch.equal(fp8_gemm(a, qb, sp, out_dtype, bias=bias, config=cfg), out)
     emu, mag = emulate(qa, qb, splits, M, bias)
     assert out.dtype == out_dtype and out.shape == (M, N)
     bound = order_bound(K) * mag
@@ -173,38 +190,35 @@ def test_cpu_matches_emulation(case):
 
 
 @interpreted
-def test_cpu_linear_uses_bit_exact_quantizers_and_meets_snr():
-    # fp8_block_grouped_linear quantizes with the Triton quantizers; they are bit-exact with the torch
-    # ones, so it must give the same bits as the GEMM on torch-quantized operands; and its accuracy
-    # against the unquantized float64 product must meet the per-GEMM floor.
-    from moemlp.kernels._fp8_gemm import fp8_block_grouped_gemm, fp8_block_grouped_linear
+def test_cpu_triton_quantized_operands_give_the_same_bits_and_meet_snr():
+    # The Triton quantizers are bit-exact with the torch ones, so the GEMM on their operands gives the
+    # same bits as on torch-quantized ones; and its accuracy against the unquantized float64 product
+    # must meet the per-GEMM floor.
+    from moemlp.kernels import quant
 
     splits, M, K, N = [30, 0, 45, 25], 112, 256, 160
     x, w, _ = problem(splits, M, K, N, seed=1)
     x = torch.randn_like(x)  # plain Gaussian rows, as test_recipes' SNR problem
     r = recipe("fp8_block")
     sp = torch.tensor(splits)
-    out = fp8_block_grouped_linear(x, w, sp, r, out_dtype=torch.float32)
-    ref = fp8_block_grouped_gemm(r.quantize(x, -1), r.quantize_weight(w), sp, torch.float32)
+    out = fp8_gemm(quant.quantize(x, r, axis=-1), quant.quantize_weight(w, r), sp, torch.float32)
+    ref = fp8_gemm(r.quantize(x, -1), r.quantize_weight(w), sp, torch.float32)
     assert torch.equal(out, ref)
     snr = snr_db(out[:100], exact_f64(x, w, splits, M)[:100])
     assert snr >= SNR_FLOOR_DB, snr
     assert (out[100:] == 0).all()
-    assert fp8_block_grouped_linear(x.bfloat16(), w.bfloat16(), sp).dtype == torch.bfloat16
 
 
 def check_nan_stays_in_its_row(device):
     # SPEC §2: a NaN in x propagates to its own output row only (its code is e4m3's NaN 0x7F, its
     # block's scale ignores it); rows of other experts and other rows of its tile stay exact.
-    from moemlp.kernels._fp8_gemm import fp8_block_grouped_gemm
-
     splits, M, K, N = [20, 12], 40, 200, 48
     x, w, _ = problem(splits, M, K, N, seed=2, device=device)
     x[5, 150] = float("nan")
     r = recipe("fp8_block")
     qa, qb = r.quantize(x, -1), r.quantize_weight(w)
     assert qa.codes[5, 150].view(torch.uint8) == 0x7F
-    out = fp8_block_grouped_gemm(qa, qb, torch.tensor(splits, device=device), torch.float32)
+    out = fp8_gemm(qa, qb, torch.tensor(splits, device=device), torch.float32)
     if device != "cpu":
         # The triton 3.9 interpreter widens e4m3 dot operands through its own fp16 conversion, which
         # reads 0x7F as 480 (2026-11-30), so only the GPU can check the NaN row itself.
@@ -229,51 +243,23 @@ def test_gpu_nan_stays_in_its_row():
 @interpreted
 def test_cpu_bad_splits_are_clamped():
     # device splits are never read on the host: negative → 0 rows, a sum past M truncated at M
-    from moemlp.kernels._fp8_gemm import fp8_block_grouped_gemm
-
     M, K, N = 48, 130, 40
     x, w, _ = problem([M, 0, 0], M, K, N, seed=3)
     r = recipe("fp8_block")
     qa, qb = r.quantize(x, -1), r.quantize_weight(w)
-    out = fp8_block_grouped_gemm(qa, qb, torch.tensor([30, -7, 100]), torch.float32)
+    out = fp8_gemm(qa, qb, torch.tensor([30, -7, 100]), torch.float32)
     emu, mag = emulate(qa, qb, [30, 0, 18], M)
     assert ((out.double() - emu).abs() <= order_bound(K) * mag).all()
-
-
-def test_validation_names_the_argument():
-    # raised before any launch: runs in this process too
-    from moemlp.kernels._fp8_gemm import fp8_block_grouped_gemm
-
-    r = recipe("fp8_block")
-    qa = r.quantize(torch.randn(8, 256), -1)
-    qb = r.quantize_weight(torch.randn(2, 16, 256))
-    sp = torch.tensor([4, 4])
-    with pytest.raises(TypeError, match="a.codes"):
-        fp8_block_grouped_gemm((qa.codes.float(), qa.scales), qb, sp)
-    with pytest.raises(ValueError, match="b.codes"):
-        fp8_block_grouped_gemm(qa, r.quantize_weight(torch.randn(2, 16, 128)), sp)
-    with pytest.raises(ValueError, match="a.scales"):
-        fp8_block_grouped_gemm((qa.codes, qa.scales[:, :1]), qb, sp)
-    with pytest.raises(ValueError, match="splits"):
-        fp8_block_grouped_gemm(qa, qb, torch.tensor([8]))
-    with pytest.raises(TypeError, match="splits"):
-        fp8_block_grouped_gemm(qa, qb, torch.tensor([4.0, 4.0]))
-    with pytest.raises(ValueError, match="bias"):
-        fp8_block_grouped_gemm(qa, qb, sp, bias=torch.zeros(2, 15))
-    with pytest.raises(ValueError, match="weight-gradient"):
-        fp8_block_grouped_gemm(r.quantize_wgrad(torch.randn(8, 256), sp), qb, sp)
 
 
 # --- Hopper, offline ----------------------------------------------------------------------------------
 
 
-# (id, EPILOGUE, GLU (two accumulators), config kind): every FP8 default of _grouped_gemm._fp8_config
+# (id, EPILOGUE, GLU (two accumulators), config kind): every FP8 default of gemm.fp8_config
 SM90_CASES = [
     ("plain", 1, False, "fc2"),
     ("fc1_glu", 0, True, "fc1"),
     ("fc2_dgrad", 2, True, "fc2_dgrad"),
-    # FC2_DGRAD whose epilogue also quantizes g_h and z for the weight gradients (WgradCodes)
-    ("fc2_dgrad_wgrad_codes", 2, True, "fc2_dgrad"),
 ]
 
 
@@ -282,17 +268,15 @@ SM90_CASES = [
 @pytest.mark.parametrize("case", SM90_CASES, ids=[c[0] for c in SM90_CASES])
 def test_compiles_for_hopper_without_spills(case, use_tma):
     # The FP8 GPU defaults compiled for sm_90 by this machine's triton (no GPU needed): FP8 wgmma in
-    # the mainloop and no local-memory spills (2026-11-30, triton 3.9).
+    # the mainloop and no local-memory spills (triton 3.9).
     import _sm90
-    from moemlp.kernels import _grouped_gemm as gg
+    from moemlp.kernels import gemm
+    from moemlp.kernels.gemm import grouped
 
     name, epilogue, glu, kind = case
-    if gg.INTERPRET:
+    if gemm.INTERPRET:
         pytest.skip("the interpreter's configs")
-    wgrad_codes = name.endswith("wgrad_codes")
-    if wgrad_codes and not use_tma:
-        pytest.skip("the epilogue quantizes for the wgrads on the TMA path only (128-row tiles)")
-    cfg = gg._fp8_config(kind, glu)
+    cfg = gemm.fp8_config(kind, glu)
     if not use_tma:
         if glu and epilogue == 0:
             pytest.skip("FC1 with a GLU spills on the pointer fallback (99 local loads): odd K only")
@@ -323,11 +307,6 @@ def test_compiles_for_hopper_without_spills(case, use_tma):
         FP8=True,
         ACC_SCALE=False,
         B_SCALE_SCALAR=True,  # what the launcher picks for BN | 128 (and GLU blocks a multiple of BN)
-        QUANT_G=wgrad_codes,
-        QUANT_Z=wgrad_codes,
-        POW2=True,
-        A_DQ=0,  # codes read as they are (no mxfp8 / nvfp4 load-path dequantization)
-        B_DQ=0,
     )
     ptr = {
         "a_ptr": "*fp8e4nv",
@@ -337,13 +316,10 @@ def test_compiles_for_hopper_without_spills(case, use_tma):
         "h_ptr": "*bf16",
         "splits_ptr": "*i64",
         "probs_ptr": "*fp32",
-        "cq_g_ptr": "*u8",
-        "cq_z_ptr": "*u8",
     }
     desc = {"a_desc": f"tensordesc<fp8e4nv[{cfg.BM}, 128]>", "b_desc": f"tensordesc<fp8e4nv[1, {cfg.BN}, 128]>"}
     ptx, sass, usage = _sm90.compile_sm90(
-        gg._grouped_gemm_kernel, const, ptr, desc if use_tma else None, cfg.num_warps, cfg.num_stages,
-        divisible=("P_pad",),
+        grouped.grouped_gemm_kernel, const, ptr, desc if use_tma else None, cfg.num_warps, cfg.num_stages
     )
     # (64×64 at 8 warps splits N over the two warpgroups: m64n32)
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k{dot_k}\.f32\.e4m3\.e4m3", ptx)
@@ -369,8 +345,8 @@ GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_matches_emulation(case):
-    from moemlp.kernels._fp8_gemm import fp8_block_grouped_gemm, fp8_block_grouped_linear
-    from moemlp.kernels._grouped_gemm import GemmConfig
+    from moemlp.kernels import quant
+    from moemlp.kernels.gemm import GemmConfig
 
     _, splits, cap, K, N = case
     M = sum(splits) + cap
@@ -379,28 +355,28 @@ def test_gpu_matches_emulation(case):
     qa, qb = r.quantize(x, -1), r.quantize_weight(w)
     sp = torch.tensor(splits, device="cuda")
     emu, mag = emulate(qa, qb, splits, M, bias)
-    # the default (TMA), the pointer mainloop, and the smaller tile of benchmarks/bench_fp8.py's sweep
+    # the default (TMA), the pointer mainloop, and a smaller tile
     configs = (
         None,
         GemmConfig(128, 128, 128, 8, 4, USE_TMA=False),
         GemmConfig(64, 128, 128, 4, 4),
     )
     for cfg in configs:
-        out = fp8_block_grouped_gemm(qa, qb, sp, torch.float32, bias=bias, config=cfg)
+        out = fp8_gemm(qa, qb, sp, torch.float32, bias=bias, config=cfg)
         err = (out.double() - emu).abs()
         ratio = float((err / mag.clamp(min=1e-300)).max())
         rel_rms = float(err.pow(2).sum().sqrt() / emu.pow(2).sum().sqrt())
         print(f"{case[0]} {cfg}: max err/(|A||B|) = {ratio:.3e}, relative RMS vs emulation = {rel_rms:.3e}")
         assert ratio <= GPU_ORDER_BOUND, ratio
-    out = fp8_block_grouped_gemm(qa, qb, sp, torch.float32, bias=bias)
+    out = fp8_gemm(qa, qb, sp, torch.float32, bias=bias)
     assert (out[sum(splits) :] == 0).all()
     # the recipe's accuracy, on the same GEMM without bias (Gaussian rows)
     xg = torch.randn_like(x)
-    lin = fp8_block_grouped_linear(xg, w, sp, r, out_dtype=torch.float32)
+    lin = fp8_gemm(quant.quantize(xg, r, axis=-1), quant.quantize_weight(w, r), sp, torch.float32)
     T = sum(splits)
     assert snr_db(lin[:T], exact_f64(xg, w, splits, M)[:T]) >= SNR_FLOOR_DB
     # bf16 output: the same accumulator, one rounding
-    out_bf16 = fp8_block_grouped_gemm(qa, qb, sp, torch.bfloat16, bias=bias)
+    out_bf16 = fp8_gemm(qa, qb, sp, torch.bfloat16, bias=bias)
     assert torch.equal(out_bf16, out.bfloat16())
     # deterministic: no atomics, fixed order
-    assert torch.equal(fp8_block_grouped_gemm(qa, qb, sp, torch.float32, bias=bias), out)
+    assert torch.equal(fp8_gemm(qa, qb, sp, torch.float32, bias=bias), out)

@@ -3,10 +3,10 @@ same recipe (reference.py through the torch reference quantizers), and the proba
 
 What must agree, and how closely:
 
-* The quantized operands are bit for bit the reference's (tests/test_quantize_triton.py and
+* The quantized operands are bit for bit the reference's (tests/kernels/test_quant.py and
   tests/test_dequantized_triton.py check the quantizers); the GEMMs then differ only in fp32
-  accumulation order (fp8_block: the promoted 128-deep steps, tests/test_fp8_gemm.py and
-  test_fp8_wgrad.py bound them).
+  accumulation order (fp8_block: the promoted 128-deep steps, tests/kernels/test_gemm_fp8.py and
+  kernels/test_fp8_wgrad.py bound them).
 * h (FC1's output, stored in x.dtype) therefore equals the reference's or is one bf16 ulp away.
 * Everything after a second quantization (z for FC2, g_h for dx and dW1) could flip a code where an
   fp32 value sits on a rounding boundary of the recipe's element format; with order noise ~1e-7 of
@@ -181,7 +181,7 @@ def test_cpu_backward_builds_the_wgrad_row_blocks_once(key, monkeypatch):
     # The four wgrad operands of a backward share one row-block layout (same splits and rows): one
     # computation of its ~12 torch ops instead of four, host launch time that the small shapes pay
     # (qwen3 ran host-bound on the H200, 2026-11-30).
-    from moemlp.kernels import quantize as kq
+    from moemlp.kernels.quant import api as kq
 
     calls = []
     real = kq._row_blocks

@@ -1,4 +1,4 @@
-"""The one-pass Triton quantize-dequantize (kernels/quantize.py: ``dequantized``, ``dequantized_weight``,
+"""The one-pass Triton quantize-dequantize (kernels/quant/: ``dequantized``, ``dequantized_weight``,
 ``dequantized_wgrad``) against the torch reference: ``values.float() * factor`` must equal
 ``recipe.qdq`` / ``qdq_weight`` / ``qdq_wgrad`` bit for bit (same NaN positions, same fp32 bits
 elsewhere, so -0.0 counts), with ``values`` in the dtype that ``exact_dtype`` names.
@@ -18,7 +18,7 @@ import torch
 
 import _triton_env
 from moemlp.recipes import from_key, recipe
-from test_quantize_triton import RECIPES, WGRAD_RECIPES, _data, _ties
+from test_quant import RECIPES, WGRAD_RECIPES, _data, _ties
 
 interpreted = pytest.mark.skipif(
     not _triton_env.RUN_CPU_CASES,
@@ -101,7 +101,7 @@ def _inputs(dtype, device):
 def test_dequantized_matches_qdq(device, dtype, key, nan_empty):
     """Rowwise and columnwise blocks of odd sizes, batched, a single element, format ties, NaN/Inf/
     zero blocks, tiny and huge blocks; in the exact dtype, and in fp32 (nvfp4 also fp16)."""
-    from moemlp.kernels import quantize as kq
+    from moemlp.kernels.quant import api as kq
 
     r = from_key(key)
     out_dtypes = {kq.exact_dtype(r, dtype), torch.float32}
@@ -122,7 +122,7 @@ def test_dequantized_matches_qdq(device, dtype, key, nan_empty):
 def test_dequantized_weight_matches_qdq_weight(device, dtype, key, nan_empty):
     """(E, A, B) expert weights, blocks along B (forward) and A (dgrad); fp8_block: 128×128 tiles
     with partial tiles in both dims, whatever the dim; one S_enc over all experts for nvfp4."""
-    from moemlp.kernels import quantize as kq
+    from moemlp.kernels.quant import api as kq
 
     r = from_key(key)
     out_dtype = kq.exact_dtype(r, dtype)
@@ -152,7 +152,7 @@ WGRAD_CASES = [
 def test_dequantized_wgrad_matches_qdq_wgrad(device, dtype, key, nan_empty):
     """Both operands of qdq_wgrad(grad, act, splits): grad with is_grad=True (stochastic rounding when
     on), act with is_grad=False; Hadamard-rotated values where on; rows past Σsplits are 0."""
-    from moemlp.kernels import quantize as kq
+    from moemlp.kernels.quant import api as kq
 
     r = from_key(key)
     out_dtype = kq.exact_dtype(r, dtype)
@@ -177,7 +177,7 @@ def test_bf16_exact_above_the_amax_boundary(device, key, nan_empty):
     """fp32 source, fp32 values: a block with amax one fp32 ulp above 1.75·2^-117 dequantizes onto
     bf16's grid whatever its elements; at 1.75·2^-117 an element 2^-134 comes back as 2^-134, which
     bf16 cannot hold (that is why exact_dtype is fp32 for fp32 sources)."""
-    from moemlp.kernels import quantize as kq
+    from moemlp.kernels.quant import api as kq
 
     r = from_key(key)
     B = r.block
@@ -223,8 +223,8 @@ def test_bf16_and_fp16_sources_dequantize_onto_bf16(key, dtype):
 
 
 def test_exact_dtype():
-    """bf16 where it holds every value (module comment in kernels/quantize.py), else fp32."""
-    from moemlp.kernels import quantize as kq
+    """bf16 where it holds every value (module comment in kernels/quant/), else fp32."""
+    from moemlp.kernels.quant import api as kq
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     for name, opts, src, want in [
@@ -243,7 +243,7 @@ def test_exact_dtype():
 
 def test_out_dtype_that_would_round_is_refused():
     """ValueError before any launch, for each entry point, instead of rounding silently."""
-    from moemlp.kernels import quantize as kq
+    from moemlp.kernels.quant import api as kq
 
     x32, x16 = torch.zeros(4, 256), torch.zeros(4, 256, dtype=torch.bfloat16)
     w, s = torch.zeros(2, 128, 64, dtype=torch.bfloat16), torch.tensor([4])
@@ -276,7 +276,7 @@ def test_out_dtype_that_would_round_is_refused():
 def test_dequantized_capturable_in_cuda_graph():
     """No host read: the launches capture into a CUDA graph, and a replay on new data in the same
     buffers gives the eager result."""
-    from moemlp.kernels import quantize as kq
+    from moemlp.kernels.quant import api as kq
 
     x = _data((256, 320), torch.bfloat16, 60).cuda()
     w = _data((4, 256, 192), torch.bfloat16, 61).cuda()

@@ -1,0 +1,192 @@
+"""The Triton backend's schedule: ``grouped_mlp_fwd`` / ``grouped_mlp_bwd`` with the contract of
+reference.py, as launches of operands.py (recipe → GEMM operands, the GEMM and wgrad launches) and
+gemm.launch (the dprobs reduce).
+
+Forward, two launches:   FC1 (x @ W1ᵀ, epilogue: bias, act, ·p → h, z)   FC2 (z @ W2ᵀ + b2 → y)
+Backward, up to six:     FC2_DGRAD (dy @ W2, epilogue: dprobs partials, g_h, round(z))
+                         dprobs reduce    FC1_DGRAD (g_h @ W1 → dx)
+                         wgrad dW1 (+ db1)    wgrad dW2 (+ db2)    [db alone when dW is not needed]
+
+Inputs arrive validated (_validate.py): contiguous, on one device, splits of an integer dtype on
+that device. Nothing here reads a tensor's values on the host (no .item(), .tolist(), .cpu(),
+nonzero or data-dependent shapes), so a whole forward + backward can be captured in a CUDA graph.
+
+Under a recipe (SPEC §3) the same launches take quantized operands (operands.py: fp8_block natively
+on FP8 tensor cores, mxfp8 / nvfp4 as exact emulation on bf16 values), plus the quantizer passes:
+FC1 stores z in fp32 and FC2_DGRAD stores g_h in fp32, the unrounded values the recipe quantizes
+(as reference.py), and the biases' gradients come from unquantized operands. Under fp8_block each
+weight is quantized once per forward + backward: ``grouped_mlp_fwd(..., keep_dgrad=(w1, w2))``
+quantizes a weight the backward's dgrad will read with both layouts and returns its K-major codes
+and tile scales (``saved``), which ``grouped_mlp_bwd(..., saved=saved)`` reads instead of
+quantizing again. Across the micro-batches of an optimizer step, ``quantized`` (the tensors of
+``moemlp.quantize_weights``) replaces even that pass.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import operands
+from .gemm import launch
+from .quant import supports
+
+
+def unavailable_reason(device) -> str:
+    """Why the Triton backend cannot run on ``device``; "" when it can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        return f"triton is not importable ({exc})"
+    device = torch.device(device)
+    if device.type == "cuda":
+        return ""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return ""
+    if device.type == "cpu":
+        return "tensors are on the CPU; the Triton kernels run on CUDA, or on the CPU only under TRITON_INTERPRET=1"
+    return f"device type {device.type!r} is not supported by the Triton kernels (CUDA only)"
+
+
+def is_available(device) -> bool:
+    return unavailable_reason(device) == ""
+
+
+def supports_recipe(recipe) -> bool:
+    """None and every block-scaled recipe of SPEC §3 (fp8_block natively on FP8 tensor cores, mxfp8
+    and nvfp4 as exact emulation on bf16 tensor cores)."""
+    return recipe is None or supports(recipe)
+
+
+def _check(cfg, **tensors: Optional[Tensor]) -> None:
+    if not supports_recipe(cfg.recipe):
+        raise ValueError(f"recipe: the triton backend has no implementation of {cfg.recipe!r}")
+    # The kernels index rows with the shapes' own strides; a strided view would be read wrongly,
+    # and copying it silently would hide a full extra pass from the caller.
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name}: the triton backend expects a contiguous tensor, got strides {t.stride()}")
+
+
+def grouped_mlp_fwd(
+    x: Tensor,  # (M, H) compute dtype, rows grouped by expert
+    splits: Tensor,  # (E,) int32/int64 on x.device
+    probs: Optional[Tensor],  # (M,) fp32/bf16/fp16 or None
+    fc1_weight: Tensor,  # (E, N1, H)
+    fc2_weight: Tensor,  # (E, H, F)
+    fc1_bias: Optional[Tensor],  # (E, N1)
+    fc2_bias: Optional[Tensor],  # (E, H)
+    cfg,  # MLPConfig
+    keep_dgrad: Optional[tuple[bool, bool]] = None,  # (W1, W2): hand their dgrad operands to the backward
+    quantized: Sequence[Tensor] = (),  # fp8_block: codes, codes_t, scales of W1 then W2 (quantize_weights)
+) -> tuple[Tensor, ...]:
+    """Returns y (M, H) and h (M, N1), both in x.dtype; capacity rows are 0. With ``keep_dgrad``
+    also ``saved``, a list for ``grouped_mlp_bwd``: under fp8_block the codes_t (E, C, R) and
+    scales of each weight kept (empty tensors for one not kept), else [] (operands.saved_dgrad).
+    With ``quantized`` (fp8_block) the GEMMs read those codes and no weight is quantized here; the
+    ``saved`` returned then holds the given codes_t and scales themselves."""
+    _check(cfg, x=x, splits=splits, probs=probs, fc1_weight=fc1_weight, fc2_weight=fc2_weight, fc1_bias=fc1_bias,
+           fc2_bias=fc2_bias)  # fmt: skip
+    M, H = x.shape
+    E, N1, _ = fc1_weight.shape
+    F = fc2_weight.shape[2]
+    r = cfg.recipe
+    w1, w2 = operands.weights((fc1_weight, fc2_weight), r, quantized)
+    # Before the GEMMs: a kept weight is quantized once with both layouts, its codes read here and
+    # dropped on return, its codes_t and scales returned for the backward's dgrad.
+    saved = operands.saved_dgrad((w1, w2), r, keep_dgrad)
+    h = torch.empty((M, N1), dtype=x.dtype, device=x.device)
+    # round(a·p), FC2's input, freed on return; fp32 under a recipe, which quantizes the unrounded z
+    z = torch.empty((M, F), dtype=x.dtype if r is None else torch.float32, device=x.device)
+    y = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    # FC1: h = x @ W1[e]ᵀ (+ b1), z = act(h)·p
+    operands.gemm("fc1", x, w1, splits=splits, out=h, z=z, probs=probs, bias=fc1_bias, N=F, K=H, N1=N1, cfg=cfg)
+    # FC2: y = z @ W2[e]ᵀ + b2 (· p with scale_fc2_bias)
+    operands.gemm("fc2", z, w2, splits=splits, out=y, probs=probs, bias=fc2_bias, N=H, K=F, N1=N1, cfg=cfg)
+    return (y, h) if keep_dgrad is None else (y, h, saved)
+
+
+def grouped_fc1(
+    x: Tensor,  # (M, H) compute dtype, rows grouped by expert
+    splits: Tensor,  # (E,) int32/int64 on x.device
+    fc1_weight: Tensor,  # (E, N1, H)
+    fc1_bias: Optional[Tensor],  # (E, N1)
+    cfg,  # MLPConfig
+    quantized: Sequence[Tensor] = (),  # fp8_block: W1's codes, codes_t, scales (quantize_weights)
+) -> Tensor:
+    """h (M, N1) alone, for recompute_fc1: the FC1 launch of the forward without z."""
+    _check(cfg, x=x, splits=splits, fc1_weight=fc1_weight, fc1_bias=fc1_bias)
+    M, H = x.shape
+    N1 = fc1_weight.shape[1]
+    F = N1 // 2 if cfg.glu else N1
+    (w1,) = operands.weights((fc1_weight,), cfg.recipe, quantized)
+    h = torch.empty((M, N1), dtype=x.dtype, device=x.device)
+    operands.gemm("fc1", x, w1, splits=splits, out=h, bias=fc1_bias, N=F, K=H, N1=N1, cfg=cfg)
+    return h
+
+
+def grouped_mlp_bwd(
+    dy: Tensor,  # (M, H) compute dtype
+    x: Tensor,  # (M, H)
+    h: Tensor,  # (M, N1), the stored pre-activation
+    splits: Tensor,  # (E,)
+    probs: Optional[Tensor],  # (M,) or None
+    fc1_weight: Tensor,  # (E, N1, H)
+    fc2_weight: Tensor,  # (E, H, F)
+    fc1_bias: Optional[Tensor],  # (E, N1)
+    fc2_bias: Optional[Tensor],  # (E, H)
+    cfg,  # MLPConfig
+    needs: tuple[bool, bool, bool, bool, bool, bool],  # dx, dprobs, dw1, dw2, db1, db2
+    wgrad_dtype: Optional[torch.dtype] = None,  # dW1/dW2 dtype; None = the weights' (fp32 for main_grad)
+    saved: Sequence[Tensor] = (),  # grouped_mlp_fwd's saved (keep_dgrad): W1's and W2's dgrad operands
+) -> tuple[Optional[Tensor], ...]:
+    """Returns (dx, dprobs, dfc1_weight, dfc2_weight, dfc1_bias, dfc2_bias); None where not needed.
+    A weight the forward did not keep (``saved`` empty, or its pair empty) is quantized here."""
+    _check(cfg, dy=dy, x=x, h=h, splits=splits, probs=probs, fc1_weight=fc1_weight, fc2_weight=fc2_weight,
+           fc1_bias=fc1_bias, fc2_bias=fc2_bias)  # fmt: skip
+    need_dx, need_dprobs, need_dw1, need_dw2, need_db1, need_db2 = needs
+    need_dprobs = need_dprobs and probs is not None
+    need_g_h = need_dx or need_dw1 or (need_db1 and fc1_bias is not None)
+    M, H = x.shape
+    E, N1, _ = fc1_weight.shape
+    F = fc2_weight.shape[2]
+    device = x.device
+    r = cfg.recipe
+    dx = dprobs = dw1 = db1 = z = None
+    # Under a recipe g_h and z are the fp32 values the recipe quantizes (for dx, dW1 and dW2); the
+    # bias gradients and the bf16 path take them rounded to x.dtype, as the reference.
+    inter = x.dtype if r is None else torch.float32
+    # the forward's quantization where it kept one, else quantized once, for the dgrad only here
+    w1, w2 = operands.dgrad_weights((fc1_weight, fc2_weight), r, saved)
+    blocks = operands.WgradBlocks(splits, M, r)
+    if need_g_h or need_dprobs or need_dw2:
+        # One FC2 dgrad pass gives every consumer of g_z: dprobs partials, g_h, and round(z) for
+        # dW2 (recomputed from h here rather than in the wgrad kernel's prologue).
+        g_h = torch.empty((M, N1), dtype=inter, device=device)
+        z = torch.empty((M, F), dtype=inter, device=device) if need_dw2 else None
+        # FC2_DGRAD: g_z = dy @ W2[e]
+        partial = operands.gemm("fc2_dgrad", dy, w2, splits=splits, out=g_h, probs=probs, z=z, h=h,
+                                dprobs_partials=need_dprobs, N=F, K=H, N1=N1, cfg=cfg)  # fmt: skip
+        if need_dprobs:
+            dprobs = torch.empty((M,), dtype=probs.dtype, device=device)
+            launch.launch_dprobs_reduce(
+                partial=partial, dy=dy, fc2_bias=fc2_bias, splits=splits, dprobs=dprobs,
+                bias_term=cfg.scale_fc2_bias and fc2_bias is not None,
+            )
+        if need_dx:
+            # FC1_DGRAD: dx = g_h @ W1[e]
+            dx = torch.empty((M, H), dtype=x.dtype, device=device)
+            operands.gemm("fc1_dgrad", g_h, w1, splits=splits, out=dx, N=H, K=N1, N1=N1, cfg=cfg)
+        dw1, db1 = operands.wgrad(
+            g_h, x if need_dw1 else None, splits, r, dtype=x.dtype, dw_dtype=wgrad_dtype or fc1_weight.dtype,
+            bias=fc1_bias if need_db1 else None, blocks=blocks,
+        )  # fmt: skip
+    dw2, db2 = operands.wgrad(
+        dy, z, splits, r, dtype=x.dtype, dw_dtype=wgrad_dtype or fc2_weight.dtype,
+        bias=fc2_bias if need_db2 else None, probs=probs, scale_bias=cfg.scale_fc2_bias, blocks=blocks,
+    )  # fmt: skip
+    return dx, dprobs, dw1, dw2, db1, db2

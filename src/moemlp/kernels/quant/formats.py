@@ -1,0 +1,243 @@
+"""Element and scale arithmetic of SPEC §3's formats in Triton: fp32 in, integer codes out (e4m3,
+e8m0, e2m1), the same bits as the torch reference (moemlp.recipes._formats).
+
+Every rounding is written out in integer arithmetic on the fp32 bit pattern (e4m3 round-to-nearest-
+even incl. subnormals, e8m0, e2m1 thresholds) and every division is ``tl.div_rn``: the result
+then does not depend on Triton's lowering of ``/`` (not IEEE-rounded on every version), nor on the
+CPU interpreter's numpy emulation. One exception, for speed: on the GPU the e4m3 element codes of
+fp8_block and mxfp8 (``e4m3_code``) and their decoding (``e4m3_signed_value``) use the hardware
+conversions, whose rounding is the reference's (``HW_E4M3``); nvfp4's block scales keep the integer
+path (``e4m3_code_integer``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# e4m3 rounding and decoding by the GPU's conversions (cvt.rn.satfinite.e4m3x2.f32 and back), which
+# are the reference's (below) but for the sign of a NaN code; the interpreter takes the integer path
+# (numpy's float8 emulation reads the NaN pattern as 480).
+HW_E4M3: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def abs_or_zero(x):
+    """|x| with NaN -> 0: block amax ignores NaN, as TE's fmaxf reduction does."""
+    return tl.where(x != x, 0.0, tl.abs(x))
+
+
+@triton.jit
+def e4m3_code(v):
+    """fp32 -> e4m3 code bits (int32 in [0, 256)): round to nearest even, saturate to ±448,
+    NaN -> 0x7F with v's sign bit.
+
+    HW_E4M3: the hardware conversion (RNE; satfinite saturates |v| past 448, and every |v| that the
+    reference clamps to 448 first rounds to 448 or to 480 > 448, so both give 448; subnormals on
+    the 2^-9 grid; -0 and negative underflow keep the sign), with the NaN code's sign set here.
+    The GPU quantizer tests check it bit for bit against the reference for fp8_block and mxfp8."""
+    if HW_E4M3:
+        sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
+        hw = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        return tl.where(v != v, 0x7F | sign, hw)
+    else:
+        return e4m3_code_integer(v)
+
+
+@triton.jit
+def e4m3_code_integer(v):
+    """``e4m3_code`` in integer arithmetic on the fp32 bits, on every device. nvfp4's block scales
+    use it: with the hardware conversion three nvfp4 GPU quantizer tests gave codes that differ
+    from the reference's (cause not found, benchmarks/NOTES.md)."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    is_nan = v != v
+    a = tl.minimum(tl.abs(v), 448.0)  # saturation first: every |v| >= 448 codes as 448
+    ab = a.to(tl.int32, bitcast=True)
+    # normal e4m3 (a >= 2^-6, biased fp32 exponent >= 121): keep 3 mantissa bits, RNE on the 20
+    # dropped ones, then rebias 127 -> 7
+    normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal e4m3 (a < 2^-6): the code is a / 2^-9 rounded to nearest even (0..8; 8 is 2^-6)
+    exp = ab >> 23
+    mant24 = tl.where(exp > 0, (ab & 0x7FFFFF) | 0x800000, ab & 0x7FFFFF)
+    shift = tl.minimum(141 - tl.maximum(exp, 1), 25)  # mant24·2^(exp-150) in units of 2^-9
+    q = mant24 >> shift
+    rem = mant24 & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    code = tl.where(exp >= 121, normal, sub)
+    return tl.where(is_nan, 0x7F, code) | sign
+
+
+@triton.jit
+def e4m3_value(code):
+    """e4m3 code bits (int32, sign clear, not NaN) -> fp32."""
+    exp = (code >> 3) & 0xF
+    man = code & 7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    return tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # 2^-9
+
+
+@triton.jit
+def e4m3_signed_value(code):
+    """e4m3 code bits (int32 in [0, 256)) -> fp32 with the sign; NaN codes (0x7F, 0xFF) -> NaN
+    (HW_E4M3: the hardware conversion; else decoded from the bits: the interpreter reads the e4m3
+    NaN pattern of a float8 tensor as 480)."""
+    if HW_E4M3:
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    mag = e4m3_value(code & 0x7F)
+    # the sign as a bit: on the GPU (triton 3.6) a select between mag and -mag gave +0.0 for code
+    # 0x80, where the reference has -0
+    v = (mag.to(tl.int32, bitcast=True) | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
+    return tl.where((code & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def fp8_block_scale(amax, POW2: tl.constexpr, VMAX: tl.constexpr):
+    """scale = 448 / amax (IEEE division); overflow -> VMAX (the source dtype's max); POW2 clears the
+    mantissa; amax 0, Inf, NaN -> 1."""
+    scale = tl.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
+    scale = tl.where(scale == float("inf"), VMAX, scale)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # 0xFF800000
+    bad = (amax == 0.0) | (amax == float("inf")) | (amax != amax)
+    return tl.where(bad, 1.0, scale)
+
+
+@triton.jit
+def fp8_block_columns(x, POW2: tl.constexpr, VMAX: tl.constexpr):
+    """fp8_block quantization of (R, C) fp32 values, one block per column (a weight-gradient
+    operand's 128-row blocks): e4m3 code bits (R, C) int32 and the (C,) fp32 dequantization scales
+    1/scale."""
+    scale = fp8_block_scale(tl.max(abs_or_zero(x), axis=0), POW2, VMAX)
+    codes = e4m3_code(x * scale[None, :])
+    return codes, tl.div_rn(1.0 + tl.zeros_like(scale), scale)
+
+
+@triton.jit
+def e8m0_exponent(amax):
+    """The biased e8m0 exponent (int32) of v = amax · fp32(1/448), SPEC §3."""
+    v = amax * 0.002232142857142857  # 1/448, rounded to fp32 once as a constant
+    b = v.to(tl.int32, bitcast=True)
+    exp = (b >> 23) & 0xFF
+    man = b & 0x7FFFFF
+    bump = (man > 0) & (exp != 0xFE) & ~((exp == 0) & (man <= 0x400000))
+    e = exp + bump.to(tl.int32)
+    e = tl.where(v == 0.0, 0, e)
+    e = tl.where(v == float("inf"), 0xFE, e)
+    return tl.where(v != v, 0xFF, e)
+
+
+@triton.jit
+def e8m0_quant_multiplier(e):
+    """2^(127 - e) in fp32 (e = 254 -> 2^-127, e = 255 -> NaN)."""
+    b = tl.where(e == 254, 0x00400000, (254 - e) << 23)
+    b = tl.where(e == 255, 0x7FFFFFFF, b)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_dequant_multiplier(e):
+    """2^(e - 127) in fp32 (e = 0 -> 2^-127, e = 255 -> NaN): recipes._formats.e8m0_dequant_multiplier."""
+    b = tl.where(e == 0, 0x00400000, e << 23)
+    b = tl.where(e == 255, 0x7FFFFFFF, b)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def nvfp4_tensor_scale(amax_t):
+    """S_enc = min(2688 / amax_t, FLT_MAX) (fminf: NaN -> FLT_MAX); 1 when amax_t or S_enc is 0."""
+    s = tl.div_rn(2688.0 + tl.zeros_like(amax_t), amax_t)
+    s = tl.where((s != s) | (s > 3.4028234663852886e38), 3.4028234663852886e38, s)
+    return tl.where((amax_t == 0.0) | (s == 0.0), 1.0, s)
+
+
+@triton.jit
+def nvfp4_block_scale(block_amax, s_enc):
+    """(s code bits int32, inv fp32): s = e4m3(block_amax · (S_enc · fp32(1/6))),
+    inv = min(1 / (float(s) · (1/S_enc)), FLT_MAX)."""
+    s_code = e4m3_code_integer(block_amax * (s_enc * 0.16666666666666666))
+    s_dec = tl.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)
+    denom = e4m3_value(s_code) * s_dec
+    inv = tl.div_rn(1.0 + tl.zeros_like(denom), denom)
+    inv = tl.where(inv > 3.4028234663852886e38, 3.4028234663852886e38, inv)
+    return s_code, inv
+
+
+@triton.jit
+def e2m1_code(y):
+    """fp32 -> e2m1 code (int32 in [0, 16)): round to nearest even, saturate to ±6, NaN -> 7."""
+    a = tl.abs(y)
+    idx = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
+    sign = ((y.to(tl.int32, bitcast=True) >> 28) & 8) * (y == y).to(tl.int32)
+    return tl.where(y != y, 7, idx | sign)
+
+
+@triton.jit
+def e2m1_value(code):
+    """e2m1 code (int32 in [0, 16)) -> fp32: ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}."""
+    m = code & 7
+    mag = tl.where(m < 5, m.to(tl.float32) * 0.5, tl.where(m == 5, 3.0, tl.where(m == 6, 4.0, 6.0)))
+    return (mag.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)  # -0 kept
+
+
+@triton.jit
+def e2m1_code_stochastic(y, u):
+    """e2m1 code of y rounded up with probability (|y| − lo)/(hi − lo), decided by u < p for the
+    uniform u in [0, 1); the torch reference is recipes._formats.e2m1_round_stochastic."""
+    a = tl.minimum(tl.abs(y), 6.0)
+    lo_idx = (
+        (a >= 0.5).to(tl.int32)
+        + (a >= 1.0).to(tl.int32)
+        + (a >= 1.5).to(tl.int32)
+        + (a >= 2.0).to(tl.int32)
+        + (a >= 3.0).to(tl.int32)
+        + (a >= 4.0).to(tl.int32)
+        + (a >= 6.0).to(tl.int32)
+    )
+    lo = tl.where(lo_idx <= 4, lo_idx.to(tl.float32) * 0.5, tl.where(lo_idx == 5, 3.0, tl.where(lo_idx == 6, 4.0, 6.0)))
+    step = tl.where(lo_idx < 4, 0.5, tl.where(lo_idx < 6, 1.0, tl.where(lo_idx == 6, 2.0, 0.0)))
+    p = tl.where(step > 0, tl.div_rn(a - lo, tl.where(step > 0, step, 1.0)), 0.0)
+    idx = lo_idx + (u < p).to(tl.int32)
+    sign = ((y.to(tl.int32, bitcast=True) >> 28) & 8) * (y == y).to(tl.int32)
+    return tl.where(y != y, 7, idx | sign)
+
+
+@triton.jit
+def block_scale_values(s, RECIPE: tl.constexpr):
+    """Stored block-scale codes (uint8 / int32) -> fp32: mxfp8 e8m0 2^(s-127), nvfp4 e4m3 with the NaN
+    mark 0x7F (a block holding a NaN) -> NaN."""
+    s = s.to(tl.int32)
+    if RECIPE == 1:
+        return e8m0_dequant_multiplier(s)
+    else:
+        return tl.where(s == 0x7F, float("nan"), e4m3_value(s))
+
+
+@triton.jit
+def _mul32(x, c: tl.constexpr):
+    return x * c  # uint32 arithmetic wraps mod 2^32
+
+
+@triton.jit
+def hash_uniform(index, value_bits):
+    """Uniform fp32 in [0, 1) (multiples of 2^-24) from Wellons' lowbias32 of
+    index·0x9E3779B9 + value_bits (mod 2^32): recipes._formats.hash_uniform with seed 0."""
+    k = index.to(tl.uint32) * 0x9E3779B9 + value_bits.to(tl.uint32)
+    k = k ^ (k >> 16)
+    k = k * 0x7FEB352D
+    k = k ^ (k >> 15)
+    k = k * 0x846CA68B
+    k = k ^ (k >> 16)
+    return (k >> 8).to(tl.float32) * 5.960464477539063e-08  # 2^-24
