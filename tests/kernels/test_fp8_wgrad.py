@@ -354,7 +354,7 @@ GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_matches_emulation(case):
-    from moemlp.kernels.gemm import Fp8WgradConfig, fp8_block_grouped_wgrad
+    from moemlp.kernels.gemm import Fp8WgradConfig
 
     _, splits, cap, N, K = case
     T = sum(splits) + cap
