@@ -15,10 +15,24 @@ many GPUs with the gpu/multigpu markers. One spawn per world size runs every che
   instead of hanging (gloo only: NCCL's watchdog answers a timeout by aborting the process).
 - clean exit: every rank tears its groups down and returns exit code 0 through the normal
   interpreter shutdown; the parent checks the exit codes.
+
+Teardown. A gloo worker thread that drops the last reference to a finished all-to-all's work
+object releases the Python tensors it held, which takes the GIL; if that happens while the main
+thread is in interpreter shutdown, the thread is killed inside a noexcept destructor and the
+process aborts ("terminate called without an active exception", ~4 % of 2-rank runs here; core:
+~AsyncAlltoallWork <- ProcessGroupGloo::runLoop, main thread in Py_FinalizeEx). A group whose last
+reference goes away joins its worker threads, so the cure is that the group is really gone when
+destroy_process_group returns: no module, autograd graph or traceback still holding it (hence the
+dels and gc.collect()), and torch._dynamo imported before init_process_group: imported after it (as
+moemlp's first grouped_mlp call does), it keeps the default group alive past destroy_process_group.
+The workers check that no gloo worker thread is left before they return.
 """
 
+import gc
+import importlib
 import os
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -196,8 +210,23 @@ def _check_bad_ep_arguments(world):
         MoE(hidden_size=8, ffn_hidden_size=8, num_experts=world + 1, top_k=2, ep_group=dist.group.WORLD)
 
 
+def _gloo_threads() -> list[str]:
+    """Threads of this process that belong to a gloo process group (Linux names them)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return [n for n in names if "gloo" in n]
+
+
 def _worker(rank, world, port, device_type, dtype, errors):
     try:
+        importlib.import_module("torch._dynamo")  # before init_process_group: see the module docstring
         if device_type == "cuda":
             torch.cuda.set_device(rank)
         else:
@@ -215,8 +244,12 @@ def _worker(rank, world, port, device_type, dtype, errors):
         dist.barrier()  # everything above is done everywhere before a rank stops answering
         if doomed is not None:
             _check_failure_after_exchange(rank, world, device, dtype, doomed)
+        del doomed
+        gc.collect()  # layers, graphs and tracebacks in reference cycles let go of the groups now
         dist.barrier()  # on the healthy default group, with its timeout
         dist.destroy_process_group()
+        left = _gloo_threads()
+        assert not left, f"gloo threads {left} outlived destroy_process_group: the exit may abort"
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise

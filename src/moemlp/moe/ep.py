@@ -4,7 +4,8 @@ the rank holding its expert, runs its local experts, and sends the results back.
 With W ranks and E experts, rank r holds experts [r·E/W, (r+1)·E/W). On each rank:
 
     plan      = plan_dispatch(expert_idx, E)           rows sorted by global expert, hence by rank
-    counts    all_to_all of splits (W, E/W)            recv[w, e]: rows from rank w for local e
+    counts    all_to_all of splits (W, E/W) + status   recv[w, e]: rows from rank w for local e;
+                                                       recv[w, E/W]: rank w's status (below)
     host read the per-rank row counts                  all_to_all_single needs them as ints: the
                                                        one host sync, inherent to EP
     x, probs  all_to_all (rows, and fp32 probs beside them; probs never rounded)
@@ -31,6 +32,12 @@ A rank that fails must not hang the others:
   aborts the communicator). Such a group is unusable afterwards, as torch.distributed says of any
   timed-out collective. Telling them sooner would need a flag read on the host after the experts:
   a second sync on every healthy forward.
+
+Teardown (gloo): release every layer, graph and traceback that holds the group, then
+``destroy_process_group()``, so that the group's worker threads are joined while the interpreter
+is alive. A gloo worker thread that outlives it can drop the last reference to a finished
+all-to-all's tensors during interpreter shutdown, take the GIL there and abort the process
+(tests/test_ep.py has the details and the check).
 """
 
 from __future__ import annotations
