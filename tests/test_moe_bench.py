@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from moemlp.bench.moe import ep_sizes, run_moe_bench
+from moemlp.bench.moe import DEFAULT_EP, ep_sizes, run_moe_bench
 
 
 def test_moe_bench_cpu(tmp_path, capsys):
@@ -33,9 +33,16 @@ def test_moe_bench_cpu(tmp_path, capsys):
     assert "tokens_per_s" in out and "dist_busbw_GBps" in out
 
 
-def test_ep_sizes():
-    assert ep_sizes("1,2,4,8") == [1, 2, 4, 8]
-    assert ep_sizes("2,2,1") == [2, 1]
+def test_ep_argument(capsys):
+    """The --ep line as src/moemlp/__main__.py adds it to the bench parser."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ep", type=ep_sizes, default=DEFAULT_EP, metavar="N,N,...",
+                        help="with --moe: expert-parallel world sizes, comma-separated (default 1,2); "
+                             "sizes above the GPU count are skipped")
+    assert parser.parse_args([]).ep == [1, 2]
+    assert parser.parse_args(["--ep", "1,2,4,8"]).ep == [1, 2, 4, 8]
+    assert parser.parse_args(["--ep", "2,2,1"]).ep == [2, 1]
     for bad in ("", "0", "1,x", "-2"):
-        with pytest.raises(ValueError, match="--ep"):
-            ep_sizes(bad)
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--ep", bad])
+        assert "expected comma-separated positive ints" in capsys.readouterr().err

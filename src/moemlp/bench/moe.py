@@ -30,6 +30,7 @@ runs (gloo, one thread per process) at small shapes: the numbers check the harne
 
 from __future__ import annotations
 
+import argparse
 import gc
 import importlib
 import os
@@ -55,13 +56,13 @@ DEFAULT_EP = [1, 2]
 
 
 def ep_sizes(text: str) -> list[int]:
-    """``--ep`` argument: comma-separated expert-parallel world sizes, e.g. "1,2,4,8"."""
+    """The ``--ep`` argument's type: comma-separated expert-parallel world sizes, e.g. "1,2,4,8"."""
     try:
         sizes = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         sizes = []
     if not sizes or any(n < 1 for n in sizes):
-        raise ValueError(f"--ep: expected comma-separated positive ints such as 1,2,4,8, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints such as 1,2,4,8, got {text!r}")
     return list(dict.fromkeys(sizes))
 
 
@@ -368,6 +369,4 @@ def run_moe_bench(args) -> list[dict]:
 
 
 if __name__ == "__main__":  # pragma: no cover - for a direct run
-    import argparse
-
     run_moe_bench(argparse.Namespace(device=None, backend="auto", out="results", ep=DEFAULT_EP))
