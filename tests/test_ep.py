@@ -47,7 +47,7 @@ from moemlp.moe.ep import ExpertParallelError
 
 SPAWN_TIMEOUT_S = 240  # one whole spawn; a hang fails the test instead of blocking CI
 GROUP_TIMEOUT_S = 120  # torch.distributed's per-collective timeout in the workers
-FAIL_TIMEOUT_S = 3.0  # the group timeout under which a rank that fails mid-exchange is detected
+FAIL_TIMEOUT_S = 5.0  # the group timeout under which a rank that fails mid-exchange is detected
 
 # E = 8 over W = 2, 4, 8 ranks: 4, 2, 1 local experts. Tokens per rank: rank 1 has none.
 H, F, E, K = 16, 24, 8, 2
@@ -188,8 +188,9 @@ def _check_failure_after_exchange(rank, world, device, dtype, group):
             raise RuntimeError("injected expert failure")
 
         ep.experts.forward = broken_experts
-    group.set_timeout(timedelta(seconds=FAIL_TIMEOUT_S))
     x, _ = _inputs(rank, device, dtype)
+    dist.barrier(group=group)  # under the long timeout: no rank is late to the exchanges below
+    group.set_timeout(timedelta(seconds=FAIL_TIMEOUT_S))
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as info:
         ep(x)
