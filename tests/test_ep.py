@@ -260,8 +260,15 @@ def _spawn(world, device_type, dtype):
                                join=False, start_method="spawn")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     try:
-        for p in procs.processes:
-            p.join(max(0.0, deadline - time.monotonic()))
+        while time.monotonic() < deadline:
+            codes = [p.exitcode for p in procs.processes]
+            if all(c is not None for c in codes):
+                break
+            if any(c not in (None, 0) for c in codes):
+                # A rank failed: the others would wait out their collectives' timeout. Give them a
+                # moment to report their own errors, then stop them.
+                deadline = min(deadline, time.monotonic() + 5)
+            time.sleep(0.1)
         hung = [r for r, p in enumerate(procs.processes) if p.is_alive()]
         msgs = []
         while not errors.empty():
