@@ -19,17 +19,17 @@ many GPUs with the gpu/multigpu markers. One spawn per world size runs every che
 Teardown. A gloo worker thread that drops the last reference to a finished all-to-all's work
 object releases the Python tensors it held, which takes the GIL; if that happens while the main
 thread is in interpreter shutdown, the thread is killed inside a noexcept destructor and the
-process aborts ("terminate called without an active exception", ~4 % of 2-rank runs here; core:
+process aborts ("terminate called without an active exception", ~3 % of 2-rank runs here; core:
 ~AsyncAlltoallWork <- ProcessGroupGloo::runLoop, main thread in Py_FinalizeEx). A group whose last
 reference goes away joins its worker threads, so the cure is that the group is really gone when
-destroy_process_group returns: no module, autograd graph or traceback still holding it (hence the
-dels and gc.collect()), and torch._dynamo imported before init_process_group: imported after it (as
-moemlp's first grouped_mlp call does), it keeps the default group alive past destroy_process_group.
-The workers check that no gloo worker thread is left before they return.
+destroy_process_group returns: no layer, autograd graph or traceback still holding it (hence the
+dels and gc.collect()), and no function default holding it: torch.distributed.nn.functional's
+``group=group.WORLD`` defaults do when it is first imported after init_process_group, which
+torch._dynamo's import (moemlp's first grouped_mlp call) did; moemlp.moe.ep now imports it first.
+The workers check that no gloo worker thread is left when destroy_process_group has returned.
 """
 
 import gc
-import importlib
 import os
 import socket
 import sys
@@ -224,7 +224,6 @@ def _gloo_threads() -> list[str]:
 
 def _worker(rank, world, port, device_type, dtype, errors):
     try:
-        importlib.import_module("torch._dynamo")  # before init_process_group: see the module docstring
         if device_type == "cuda":
             torch.cuda.set_device(rank)
         else:

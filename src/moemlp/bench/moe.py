@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import os
 import socket
 import statistics
@@ -241,10 +240,6 @@ def _free_port() -> int:
 
 def _ep_worker(rank, port, shape, device_type, backend, iters, warmup, results):
     try:
-        # Imported after init_process_group (moemlp's first grouped_mlp call imports it), torch._dynamo
-        # keeps the default group alive past destroy_process_group; a gloo worker thread still alive at
-        # interpreter shutdown can abort the finished process (tests/test_ep.py, module docstring).
-        importlib.import_module("torch._dynamo")
         if device_type == "cuda":
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
@@ -258,7 +253,9 @@ def _ep_worker(rank, port, shape, device_type, backend, iters, warmup, results):
         row["backend"] = dist.get_backend()
         if rank == 0:
             results.put(row)
-        gc.collect()  # the layer and its graphs, if in reference cycles, let go of the group now
+        # The layer and its graphs, if in reference cycles, let go of the group now, so that
+        # destroy_process_group joins its threads while the interpreter lives (moemlp.moe.ep).
+        gc.collect()
         dist.barrier()  # every rank done with every collective before any tears down
         dist.destroy_process_group()
     except BaseException:

@@ -48,6 +48,14 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+
+# Not used here. torch.distributed.nn.functional writes ``group=group.WORLD`` as default arguments:
+# imported after init_process_group (torch._dynamo imports it, and moemlp's first grouped_mlp call
+# imports torch._dynamo), its functions keep the default group alive past destroy_process_group,
+# and with it the group's worker threads, which can then abort the process at exit (gloo: a worker
+# dropping a finished all-to-all's tensors takes the GIL during interpreter shutdown). Imported
+# with moemlp, before any group exists, those defaults are None.
+import torch.distributed.nn.functional  # noqa: F401
 from torch import Tensor
 
 from .dispatch import (
