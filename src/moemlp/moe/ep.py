@@ -33,11 +33,11 @@ A rank that fails must not hang the others:
   timed-out collective. Telling them sooner would need a flag read on the host after the experts:
   a second sync on every healthy forward.
 
-Teardown (gloo): release every layer, graph and traceback that holds the group, then
-``destroy_process_group()``, so that the group's worker threads are joined while the interpreter
-is alive. A gloo worker thread that outlives it can drop the last reference to a finished
-all-to-all's tensors during interpreter shutdown, take the GIL there and abort the process
-(tests/test_ep.py has the details and the check).
+Teardown: import moemlp before ``init_process_group`` (see the import below), release every
+layer, graph and traceback that holds the group, then ``destroy_process_group()``: the group's
+worker threads are then joined while the interpreter is alive. A gloo worker thread that outlives
+it can drop the last reference to a finished all-to-all's tensors during interpreter shutdown,
+take the GIL there and abort the process (tests/test_ep.py has the details and the check).
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ import torch.distributed as dist
 # and with it the group's worker threads, which can then abort the process at exit (gloo: a worker
 # dropping a finished all-to-all's tensors takes the GIL during interpreter shutdown). Imported
 # with moemlp, before any group exists, those defaults are None.
-import torch.distributed.nn.functional  # noqa: F401
+if dist.is_available():
+    import torch.distributed.nn.functional  # noqa: F401
 from torch import Tensor
 
 from .dispatch import (
