@@ -47,12 +47,16 @@ def _peers(arg: str):
 def main(argv=None) -> int:
     from .bench.common import all_shapes
     from .bench.mlp import DEFAULT_PEERS
+    from .bench.moe import DEFAULT_EP, ep_sizes
 
     shape_names = list(all_shapes())
     parser = argparse.ArgumentParser(prog="python -m moemlp", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bench", help="time moemlp against the torch compositions users run")
     b.add_argument("--moe", action="store_true", help="benchmark the whole MoE layer instead")
+    b.add_argument("--ep", type=ep_sizes, default=DEFAULT_EP, metavar="N,N,...",
+                   help="with --moe: expert-parallel world sizes, comma-separated (default 1,2); "
+                        "sizes above the GPU count are skipped")
     b.add_argument("--recipes", action="store_true", help="fp8_block, mxfp8 and nvfp4 beside the bf16 path")
     b.add_argument("--hf", action="store_true",
                    help="a transformers decoder layer and model: the 'moemlp' experts backend against 'grouped_mm'")

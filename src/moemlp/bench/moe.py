@@ -1,5 +1,7 @@
-"""`python -m moemlp bench --moe`: the MoE layer's forward + backward throughput on one device and
-expert-parallel over 2 (spawned processes, no torchrun), and the share of time in each phase.
+"""`python -m moemlp bench --moe [--ep 1,2,4,8]`: the MoE layer's forward + backward throughput per
+rank at a fixed number of tokens and local experts per rank (weak scaling), on one device and
+expert-parallel over each requested world size (spawned processes, no torchrun: NCCL on GPUs, gloo
+on the CPU), and the share of time in each phase.
 
 Phases, each timed on its own, forward + backward, on the inputs the layer itself produces:
   dispatch   router, sort, permute (+ counts exchange, all-to-all, regroup with EP)
@@ -7,20 +9,35 @@ Phases, each timed on its own, forward + backward, on the inputs the layer itsel
   combine    (regroup back, all-to-all with EP,) k-ordered unpermute
 Shares are of the phases' sum; the whole layer is timed too (its time is the headline).
 
-Timing: a fixed number of iterations, one pair of device events each, median. (triton's do_bench
-picks its iteration count from a first estimate, which may differ between EP ranks: a collective
-called a different number of times would hang.) FLOPs of the experts: 18·T·k·H·F per rank.
+The all-to-all, with EP: one row exchange of the layer (``ep.all_to_all`` on the rows this rank
+sends, with the layer's own uneven splits), timed alone; a forward + backward runs four of them
+(dispatch, combine and their adjoints; the fp32 probs beside the rows add 2/H of that). Bytes are
+what this rank sends in one exchange, its own chunk included; bus bandwidth is nccl-tests'
+definition for all-to-all, bytes / time · (W − 1) / W. Beside it, torch.distributed's
+``all_to_all_single`` with equal splits and the same number of bytes, in the same run: the
+difference is what uneven splits and the layer's row sizes cost. ``a2a_pct`` = 4 · a2a time /
+layer time: above ~25 % overlapping the exchange with expert compute starts to pay.
 
-With EP the all-to-alls and the one host sync of the row counts show in dispatch and combine.
+Timing: a fixed number of iterations, one pair of device events each, median; every rank's
+median, the slowest rank reported (the layer is as fast as its slowest member). (triton's
+do_bench picks its iteration count from a first estimate, which may differ between EP ranks: a
+collective called a different number of times would hang.) FLOPs of the experts: 18·T·k·H·F per
+rank (balanced routing).
+
+World sizes above the GPU count are skipped with a line saying so. On the CPU every world size
+runs (gloo, one thread per process) at small shapes: the numbers check the harness, not gloo.
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
 import os
 import socket
 import statistics
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -29,10 +46,23 @@ import torch.distributed as dist
 
 from ..moe import MoE
 from ..moe.dispatch import local_combine, local_dispatch, use_triton
-from ..moe.ep import ep_combine, ep_dispatch
+from ..moe.ep import all_to_all, ep_combine, ep_dispatch
 from .common import device_description, print_table, write_csv
 
-__all__ = ["run_moe_bench", "MoEShape"]
+__all__ = ["run_moe_bench", "MoEShape", "ep_sizes", "DEFAULT_EP"]
+
+DEFAULT_EP = [1, 2]
+
+
+def ep_sizes(text: str) -> list[int]:
+    """The ``--ep`` argument's type: comma-separated expert-parallel world sizes, e.g. "1,2,4,8"."""
+    try:
+        sizes = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints such as 1,2,4,8, got {text!r}")
+    return list(dict.fromkeys(sizes))
 
 
 @dataclass(frozen=True)
@@ -40,26 +70,26 @@ class MoEShape:
     name: str
     hidden: int  # H
     ffn: int  # F
-    experts: int  # E, all ranks together
+    local_experts: int  # E / W, fixed as W grows
     top_k: int
-    tokens: int  # per rank
-    ep: int  # expert-parallel ranks
+    tokens: int  # per rank, fixed as W grows
+    ep: int  # expert-parallel ranks, W
+
+    @property
+    def experts(self) -> int:  # E, all ranks together
+        return self.local_experts * self.ep
 
     def flops_per_rank(self) -> float:
         """GLU expert MLP forward + backward on this rank's routed rows (balanced routing)."""
         return 18.0 * self.tokens * self.top_k * self.hidden * self.ffn
 
 
-# DeepSeek-V3's expert shape (H 7168, F 2048, top-8, sigmoid routing) with 32 experts per GPU (its
-# 256 experts over 8-way EP): one GPU holds E = 32, EP over 2 GPUs E = 64.
-GPU_SHAPES = (
-    MoEShape("deepseek-v3-like", 7168, 2048, 32, 8, 4096, 1),
-    MoEShape("deepseek-v3-like", 7168, 2048, 64, 8, 4096, 2),
-)
-CPU_SHAPES = (
-    MoEShape("cpu-small", 256, 128, 8, 2, 256, 1),
-    MoEShape("cpu-small", 256, 128, 8, 2, 256, 2),
-)
+def moe_shape(on_gpu: bool, ep: int) -> MoEShape:
+    """DeepSeek-V3's expert shape (H 7168, F 2048, top-8, sigmoid routing) with its 32 experts per
+    GPU (256 experts over 8-way EP) and 4096 tokens per GPU; on the CPU a small shape."""
+    if on_gpu:
+        return MoEShape("deepseek-v3-like", 7168, 2048, 32, 8, 4096, ep)
+    return MoEShape("cpu-small", 256, 128, 4, 2, 256, ep)
 
 
 def _time_ms(fn, device: torch.device, iters: int, warmup: int, group=None) -> float:
@@ -87,8 +117,9 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
     """Times the layer and its phases on this rank; every rank of ``group`` calls it in lockstep."""
     dtype = torch.bfloat16
     torch.manual_seed(0)
-    moe = MoE(hidden_size=shape.hidden, ffn_hidden_size=shape.ffn, num_experts=shape.experts, top_k=shape.top_k, score="sigmoid", expert_bias=True,
-              aux_loss_coeff=1e-4, ep_group=group, backend=backend, device=device, dtype=dtype)
+    moe = MoE(hidden_size=shape.hidden, ffn_hidden_size=shape.ffn, num_experts=shape.experts, top_k=shape.top_k,
+              score="sigmoid", expert_bias=True, aux_loss_coeff=1e-4, ep_group=group, backend=backend,
+              device=device, dtype=dtype)
     rank = dist.get_rank(group) if group is not None else 0
     g = torch.Generator(device=device).manual_seed(1 + rank)  # drawn on the device: 1 GB of rows
 
@@ -133,21 +164,69 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
         torch.autograd.grad(combine(y_rows_leaf, state), [y_rows_leaf], dy)
 
     row = {"shape": shape.name, "ep": shape.ep, "H": shape.hidden, "F": shape.ffn, "E": shape.experts,
-           "E_local": shape.experts // shape.ep, "top_k": shape.top_k, "tokens_per_rank": shape.tokens,
+           "E_local": shape.local_experts, "top_k": shape.top_k, "tokens_per_rank": shape.tokens,
            "expert_rows": expert_rows}
-    row["layer_ms"] = _time_ms(full, device, iters, warmup, group)
-    phases = {}
+    times = {"layer": _time_ms(full, device, iters, warmup, group)}
     for name, fn in (("dispatch", dispatch_phase), ("experts", experts_phase), ("combine", combine_phase)):
-        phases[name] = _time_ms(fn, device, iters, warmup, group)
-    total = sum(phases.values())
+        times[name] = _time_ms(fn, device, iters, warmup, group)
+    if group is not None:
+        times.update(_measure_all_to_all(state, x_rows.shape[1], dtype, device, group, iters, warmup))
+    del moe, x, dy, x_rows, p_rows, state, x_rows_leaf, p_rows_leaf, y_rows_leaf, g_rows, g_probs
+    if group is not None:  # the slowest rank's median of each
+        names = sorted(k for k in times if not k.endswith("_bytes"))
+        t = torch.tensor([times[k] for k in names], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        times.update(zip(names, t.tolist()))
+
+    row["layer_ms"] = times["layer"]
     row["tokens_per_s"] = shape.tokens / row["layer_ms"] * 1e3  # per rank
-    row["tflops"] = shape.flops_per_rank() / row["layer_ms"] / 1e9
+    row["tflops"] = shape.flops_per_rank() / row["layer_ms"] / 1e9  # per rank
+    phases = {name: times[name] for name in ("dispatch", "experts", "combine")}
+    total = sum(phases.values())
     for name, ms in phases.items():
         row[f"{name}_ms"] = ms
     for name, ms in phases.items():
         row[f"{name}_pct"] = 100.0 * ms / total
     row["phases_sum_ms"] = total
+    if group is not None:
+        W = shape.ep
+        nbytes = times["a2a_bytes"]
+        row["a2a_MB"] = nbytes / 1e6
+        row["a2a_ms"] = times["a2a"]
+        row["a2a_busbw_GBps"] = nbytes / times["a2a"] / 1e6 * (W - 1) / W
+        row["dist_a2a_ms"] = times["dist_a2a"]
+        row["dist_busbw_GBps"] = times["dist_a2a_bytes"] / times["dist_a2a"] / 1e6 * (W - 1) / W
+        row["a2a_pct"] = 100.0 * 4 * times["a2a"] / row["layer_ms"]
     return row
+
+
+def _measure_all_to_all(state, hidden: int, dtype, device, group, iters: int, warmup: int) -> dict:
+    """One row exchange of the layer (its uneven splits), and torch.distributed's all_to_all_single
+    with equal splits and the same bytes (the same on every rank: the largest rank's size)."""
+    W = dist.get_world_size(group)
+    rows_sent = sum(state.send_rows)
+    x_send = torch.randn(rows_sent, hidden, device=device).to(dtype)
+
+    def layer_a2a():
+        all_to_all(x_send, state.recv_rows, state.send_rows, group)
+
+    # Equal splits: every rank sends the same message, the largest rank's row count rounded up to W.
+    sizes = torch.tensor([rows_sent], dtype=torch.int64, device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+    peer_rows = -(-int(sizes) // W) * W
+    send = torch.randn(peer_rows, hidden, device=device).to(dtype)
+    recv = torch.empty_like(send)
+
+    def dist_a2a():
+        dist.all_to_all_single(recv, send, group=group)
+
+    elem = torch.finfo(dtype).bits // 8
+    return {
+        "a2a": _time_ms(layer_a2a, device, iters, warmup, group),
+        "a2a_bytes": rows_sent * hidden * elem,
+        "dist_a2a": _time_ms(dist_a2a, device, iters, warmup, group),
+        "dist_a2a_bytes": peer_rows * hidden * elem,
+    }
 
 
 # --- expert parallelism: spawned processes ---------------------------------------------------
@@ -171,25 +250,21 @@ def _ep_worker(rank, port, shape, device_type, backend, iters, warmup, results):
                                 init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=shape.ep,
                                 timeout=timedelta(seconds=120))
         row = measure(shape, device, backend, dist.group.WORLD, iters, warmup)
-        # Report the slowest rank: the layer is as fast as its slowest member.
-        t = torch.tensor([row["layer_ms"]], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        row["layer_ms_max_rank"] = float(t)
+        row["backend"] = dist.get_backend()
         if rank == 0:
             results.put(row)
-        dist.barrier()
+        # The layer and its graphs, if in reference cycles, let go of the group now, so that
+        # destroy_process_group joins its threads while the interpreter lives (moemlp.moe.ep).
+        gc.collect()
+        dist.barrier()  # every rank done with every collective before any tears down
         dist.destroy_process_group()
     except BaseException:
         results.put({"error": f"rank {rank}:\n{traceback.format_exc()}"})
         raise
-    # Done and torn down: skip C++ static destructors, one of which aborted finished gloo ranks in
-    # ~5 % of CPU runs (torch 2.13; "terminate called without an active exception"), which the
-    # parent would report as a failed run. The row is already in the (synchronous) queue.
-    os._exit(0)
 
 
 def _run_ep(shape: MoEShape, device_type: str, backend: str, iters: int, warmup: int,
-            timeout_s: float = 300.0) -> dict:
+            timeout_s: float = 540.0) -> dict:
     import torch.multiprocessing as mp
 
     results = mp.get_context("spawn").SimpleQueue()
@@ -197,9 +272,14 @@ def _run_ep(shape: MoEShape, device_type: str, backend: str, iters: int, warmup:
                                                  results), nprocs=shape.ep, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
-        while not procs.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"EP benchmark did not finish within {timeout_s:.0f} s")
+        while time.monotonic() < deadline:
+            codes = [p.exitcode for p in procs.processes]
+            if all(c is not None for c in codes):
+                break
+            if any(c not in (None, 0) for c in codes):  # the others would wait out their timeout
+                deadline = min(deadline, time.monotonic() + 5)
+            time.sleep(0.1)
+        hung = [r for r, p in enumerate(procs.processes) if p.is_alive()]
     finally:
         for p in procs.processes:
             if p.is_alive():
@@ -208,8 +288,10 @@ def _run_ep(shape: MoEShape, device_type: str, backend: str, iters: int, warmup:
     while not results.empty():
         rows.append(results.get())
     errors = [r["error"] for r in rows if "error" in r]
-    if errors or not rows:
-        raise RuntimeError("EP benchmark failed:\n" + "\n".join(errors))
+    codes = [p.exitcode for p in procs.processes]
+    if errors or hung or not rows or any(c != 0 for c in codes):
+        raise RuntimeError(f"EP benchmark ep{shape.ep} failed (exit codes {codes}, ranks still running after "
+                           f"{timeout_s:.0f} s: {hung}):\n" + "\n".join(errors))
     return rows[0]
 
 
@@ -237,33 +319,48 @@ def _plot(rows: list[dict], path: str) -> bool:
 
 
 def run_moe_bench(args) -> list[dict]:
-    """Entry point of ``python -m moemlp bench --moe``; reads args.device, args.backend, args.out."""
+    """Entry point of ``python -m moemlp bench --moe``; reads args.device, args.backend, args.out and
+    args.ep (a list of world sizes, default [1, 2])."""
     device_arg = getattr(args, "device", None)
     device = torch.device(device_arg) if device_arg else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = getattr(args, "backend", "auto")
     out = getattr(args, "out", "results")
+    ep_list = list(getattr(args, "ep", None) or DEFAULT_EP)
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in ep_list):
+        raise ValueError(f"ep: expected a list of positive ints, got {ep_list!r}")
     on_gpu = device.type == "cuda"
-    shapes = GPU_SHAPES if on_gpu else CPU_SHAPES
     iters, warmup = (20, 5) if on_gpu else (5, 2)
-    print(f"MoE layer benchmark on {device_description(device)}")
+    gpus = torch.cuda.device_count() if on_gpu else 0
+    print(f"MoE layer benchmark on {device_description(device)}, ep {','.join(map(str, ep_list))}")
 
     rows = []
-    for shape in shapes:
-        if shape.ep == 1:
+    for ep in ep_list:
+        shape = moe_shape(on_gpu, ep)
+        if ep == 1:
             row = measure(shape, device, backend, None, iters, warmup)
-            row["layer_ms_max_rank"] = row["layer_ms"]
+            row["backend"] = "-"
             if on_gpu:
                 torch.cuda.empty_cache()  # the EP processes below share this GPU
-        elif on_gpu and torch.cuda.device_count() < shape.ep:
-            print(f"skipped {shape.name} ep{shape.ep}: needs {shape.ep} GPUs, found {torch.cuda.device_count()}")
+        elif on_gpu and gpus < ep:
+            print(f"skipped ep{ep}: needs {ep} GPUs, found {gpus}")
             continue
         else:
             row = _run_ep(shape, device.type, backend, iters, warmup)
         rows.append(row)
 
-    print_table(rows, ["shape", "ep", "E_local", "tokens_per_rank", "layer_ms", "tokens_per_s", "tflops",
-                       "dispatch_pct", "experts_pct", "combine_pct", "phases_sum_ms"],
-                "MoE layer forward + backward, per rank (bf16, fp32 router and probs)")
+    print_table(rows, ["shape", "ep", "E", "E_local", "tokens_per_rank", "layer_ms", "tokens_per_s", "tflops",
+                       "dispatch_pct", "experts_pct", "combine_pct"],
+                "MoE layer forward + backward, per rank, slowest rank (bf16, fp32 router and probs)")
+    ep_rows = [r for r in rows if r["ep"] > 1]
+    if ep_rows:
+        print_table(ep_rows, ["shape", "ep", "backend", "a2a_MB", "a2a_ms", "a2a_busbw_GBps", "dist_a2a_ms",
+                              "dist_busbw_GBps", "a2a_pct"],
+                    "One row all-to-all of the layer (4 per forward + backward) beside torch.distributed's "
+                    "all_to_all_single at the same size")
+    if not rows:
+        return rows
+    columns = list(dict.fromkeys(k for r in rows for k in r))  # EP rows add the all-to-all columns
+    rows = [{k: r.get(k, "") for k in columns} for r in rows]
     csv_path = os.path.join(out, "moe_bench.csv")
     write_csv(csv_path, rows)
     print(f"wrote {csv_path}")
@@ -274,6 +371,4 @@ def run_moe_bench(args) -> list[dict]:
 
 
 if __name__ == "__main__":  # pragma: no cover - for a direct run
-    import argparse
-
-    run_moe_bench(argparse.Namespace(device=None, backend="auto", out="results"))
+    run_moe_bench(argparse.Namespace(device=None, backend="auto", out="results", ep=DEFAULT_EP))

@@ -4,7 +4,8 @@ the rank holding its expert, runs its local experts, and sends the results back.
 With W ranks and E experts, rank r holds experts [r·E/W, (r+1)·E/W). On each rank:
 
     plan      = plan_dispatch(expert_idx, E)           rows sorted by global expert, hence by rank
-    counts    all_to_all of splits (W, E/W)            recv[w, e]: rows from rank w for local e
+    counts    all_to_all of splits (W, E/W) + status   recv[w, e]: rows from rank w for local e;
+                                                       recv[w, E/W]: rank w's status (below)
     host read the per-rank row counts                  all_to_all_single needs them as ints: the
                                                        one host sync, inherent to EP
     x, probs  all_to_all (rows, and fp32 probs beside them; probs never rounded)
@@ -16,15 +17,46 @@ Every step is an autograd function whose backward runs the adjoint communication
 router gradient (through the probs) and the local experts' gradients (from every rank's tokens)
 come out of one ``backward()``. Collectives are issued in the same order on every rank (the graph
 is the same on every rank), which NCCL and gloo require.
+
+A rank that fails must not hang the others:
+
+- before the row exchange (bad input, the router, the sort): the counts message carries one more
+  column, the sender's status. A rank that raised there still joins the counts exchange, with its
+  status set (``ep_failure_exchange``, entered by ``MoE.forward``), and re-raises its own error;
+  the others see the status in the host read they make anyway and raise ``ExpertParallelError``.
+  No collective is left half-issued, so the group stays usable, and the healthy path pays W more
+  int64 in a message it already sends: no extra collective, no extra host sync.
+- after it (the experts, the combine, backward): the others are inside an all-to-all that the
+  failed rank will not join. They fail when the process group's timeout expires
+  (``init_process_group(timeout=)`` / ``new_group(timeout=)``; gloo raises, NCCL's watchdog
+  aborts the communicator). Such a group is unusable afterwards, as torch.distributed says of any
+  timed-out collective. Telling them sooner would need a flag read on the host after the experts:
+  a second sync on every healthy forward.
+
+Teardown: import moemlp before ``init_process_group`` (see the import below), release every
+layer, graph and traceback that holds the group, then ``destroy_process_group()``: the group's
+worker threads are then joined while the interpreter is alive. A gloo worker thread that outlives
+it can drop the last reference to a finished all-to-all's tensors during interpreter shutdown,
+take the GIL there and abort the process (tests/test_ep.py has the details and the check).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+
+# Not used here. torch.distributed.nn.functional writes ``group=group.WORLD`` as default arguments:
+# imported after init_process_group (torch._dynamo imports it, and moemlp's first grouped_mlp call
+# imports torch._dynamo), its functions keep the default group alive past destroy_process_group,
+# and with it the group's worker threads, which can then abort the process at exit (gloo: a worker
+# dropping a finished all-to-all's tensors takes the GIL during interpreter shutdown). Imported
+# with moemlp, before any group exists, those defaults are None.
+if dist.is_available():
+    import torch.distributed.nn.functional  # noqa: F401
 from torch import Tensor
 
 from .dispatch import (
@@ -37,7 +69,18 @@ from .dispatch import (
     unpermute,
 )
 
-__all__ = ["all_to_all", "ep_dispatch", "ep_combine", "expert_parallel_moe_forward"]
+__all__ = [
+    "ExpertParallelError",
+    "all_to_all",
+    "ep_dispatch",
+    "ep_combine",
+    "ep_failure_exchange",
+    "expert_parallel_moe_forward",
+]
+
+
+class ExpertParallelError(RuntimeError):
+    """Another rank of the expert-parallel group raised before the row exchange."""
 
 
 class _AllToAll(torch.autograd.Function):
@@ -95,6 +138,86 @@ def _regroup_index(recv_counts: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     return local_from_recv, recv_from_local
 
 
+# --- failures before the row exchange ------------------------------------------------------------
+
+_STATUS_OK, _STATUS_FAILED = 0, 1
+
+
+class ep_failure_exchange:
+    """Context manager around one expert-parallel forward on this rank: if the block raises before
+    this rank has entered the counts exchange, it joins that exchange with its status column set
+    (so the other ranks raise ``ExpertParallelError`` instead of waiting for the timeout) and lets
+    the error propagate. Nothing runs on the healthy path but two ContextVar writes."""
+
+    def __init__(self, group, num_experts: int, device: torch.device):
+        self.group = group
+        self.num_experts = num_experts
+        self.device = device  # the counts travel here: CUDA for NCCL, the CPU for gloo
+        self.reached_exchange = False
+        self._outer: Optional[ep_failure_exchange] = None
+        self._token = None
+
+    def __enter__(self) -> "ep_failure_exchange":
+        self._outer = _ACTIVE_EXCHANGE.get()
+        self._token = _ACTIVE_EXCHANGE.set(self)
+        return self
+
+    def _mark_reached(self) -> None:
+        """This forward's counts exchange is issued: no guard around it may issue another."""
+        guard = self
+        while guard is not None:
+            guard.reached_exchange = True
+            guard = guard._outer
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        _ACTIVE_EXCHANGE.reset(self._token)
+        if exc_type is not None and not self.reached_exchange:
+            self._mark_reached()
+            try:
+                _announce_failure(self.group, self.num_experts, self.device)
+            except Exception as announce_error:  # the rank's own error is the one to report
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"moemlp: telling the other EP ranks failed too: {announce_error!r}")
+        return False  # the rank's own error propagates
+
+
+_ACTIVE_EXCHANGE: ContextVar[Optional[ep_failure_exchange]] = ContextVar("moemlp_ep_exchange", default=None)
+
+
+def _announce_failure(group, num_experts: int, device: torch.device) -> None:
+    """This rank's side of the counts exchange when it cannot dispatch: no rows, status failed."""
+    W = dist.get_world_size(group)
+    status = torch.zeros(W, num_experts // W + 1, dtype=torch.int64, device=device)
+    status[:, -1] = _STATUS_FAILED
+    dist.all_to_all_single(torch.empty_like(status), status, group=group)
+
+
+def _exchange_counts(send_counts: Tensor, group) -> tuple[Tensor, list[int], list[int]]:
+    """(W, E_local) rows this rank sends per (rank, local expert) -> (recv_counts (W, E_local),
+    send_rows, recv_rows): the counts all_to_all and the one host read, with every rank's status."""
+    W, E_local = send_counts.shape
+    active = _ACTIVE_EXCHANGE.get()
+    if active is not None:
+        active._mark_reached()  # from here on a failure cannot be announced, only timed out
+    status = torch.full((W, 1), _STATUS_OK, dtype=send_counts.dtype, device=send_counts.device)
+    send = torch.cat((send_counts, status), 1)
+    recv = torch.empty_like(send)
+    # The counts travel on the device of the process group's backend (CPU for gloo, CUDA for NCCL).
+    dist.all_to_all_single(recv, send, group=group)
+    recv_counts = recv[:, :E_local]
+    # The one host sync: all_to_all_single takes its split sizes as Python ints. The senders'
+    # status rides along in the same read.
+    host = torch.cat((send_counts.sum(1), recv_counts.sum(1), recv[:, E_local])).tolist()
+    send_rows, recv_rows, statuses = host[:W], host[W : 2 * W], host[2 * W :]
+    failed = [w for w, s in enumerate(statuses) if s != _STATUS_OK]
+    if failed:
+        raise ExpertParallelError(
+            f"expert parallelism: rank(s) {failed} of the ep_group raised before the row exchange "
+            f"(their own errors are in their processes); no rows were exchanged, the group is still usable"
+        )
+    return recv_counts, send_rows, recv_rows
+
+
 class EPState(NamedTuple):
     """What the combine needs from the dispatch."""
 
@@ -122,18 +245,12 @@ def ep_dispatch(
     dropped ones stay here and come back as zeros."""
     W = dist.get_world_size(group)
     E_local = num_experts // W
-    if plan is None:
-        plan = plan_dispatch(expert_idx, num_experts)
-    x_perm = permute(x, plan, triton)  # rows sorted by expert = by destination rank
-    probs_perm = permute_probs(probs, plan)
-
-    send_counts = plan.splits.view(W, E_local)
-    # The counts travel on the device of the process group's backend (CPU for gloo, CUDA for NCCL).
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
-    # The one host sync: all_to_all_single takes its split sizes as Python ints.
-    counts_host = torch.cat((send_counts.sum(1), recv_counts.sum(1))).tolist()
-    send_rows, recv_rows = counts_host[:W], counts_host[W:]
+    with ep_failure_exchange(group, num_experts, expert_idx.device):  # covers callers without one
+        if plan is None:
+            plan = plan_dispatch(expert_idx, num_experts)
+        x_perm = permute(x, plan, triton)  # rows sorted by expert = by destination rank
+        probs_perm = permute_probs(probs, plan)
+        recv_counts, send_rows, recv_rows = _exchange_counts(plan.splits.view(W, E_local), group)
     if sum(send_rows) != x_perm.shape[0]:  # a capacity plan: the dropped rows past Σsplits stay home
         x_perm, probs_perm = x_perm[: sum(send_rows)], probs_perm[: sum(send_rows)]
 

@@ -19,7 +19,7 @@ from .dispatch import (
     plan_dispatch_with_capacity,
     use_triton,
 )
-from .ep import expert_parallel_moe_forward
+from .ep import ep_failure_exchange, expert_parallel_moe_forward
 from .router import Router, SharedExpertGate, _check_positive_int
 
 __all__ = ["MoE"]
@@ -275,6 +275,15 @@ class MoE(nn.Module):
         """y of x's shape. ``is_first_microbatch`` goes to the experts (``GroupedMLP.forward``): under
         fp8_block, True quantizes the expert weights and keeps them for the step's later micro-batches,
         which pass False; None quantizes in every call."""
+        if self.ep_group is None:
+            return self._forward(x, is_first_microbatch)
+        # A rank that raises before the row exchange (its input, its router) still joins the
+        # counts exchange, flagged, so the other ranks raise too instead of waiting out the
+        # group's timeout (moemlp.moe.ep).
+        with ep_failure_exchange(self.ep_group, self.num_experts, self.experts.fc1_weight.device):
+            return self._forward(x, is_first_microbatch)
+
+    def _forward(self, x: Tensor, is_first_microbatch: Optional[bool]) -> Tensor:
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch: expected None or a bool, got {type(is_first_microbatch).__name__}")
 
