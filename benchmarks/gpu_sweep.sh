@@ -2,10 +2,10 @@
 # One device call: GPU tests in parallel groups (each with its own time limit, failures listed with
 # one line each), then the benches, one at a time. Logs, CSV and PNG under $OUT; short tables last.
 # Usage (device): bash benchmarks/gpu_sweep.sh [PART,PART...]   PART: tests bf16tests precision bench
-#   recipes profile loadpath wgradq parts, run in that order; default tests,recipes,parts. A part whose time limit would
+#   recipes profile wgradq parts, run in that order; default tests,recipes,parts. A part whose time limit would
 #   pass DEADLINE seconds from the start (default 590: the device's 600 s per call) is skipped.
 # A cold H200 spends most of a test group's time compiling kernels (one Triton compile per recipe,
-# dtype and constexpr set): run one after another, the groups ran past 600 s (2026-11-30), so they
+# dtype and constexpr set): run one after another, the groups ran past 600 s, so they
 # run side by side here (16 CPU cores) and the benches run alone after them.
 set -uo pipefail
 OUT=${OUT:-/tmp/moemlp-out}
@@ -33,9 +33,9 @@ fits() {  # part name, its time limit: whether it can still finish before DEADLI
 if has tests || has bf16tests; then
   start=$(date +%s)
   if has bf16tests; then
-    group bf16 ${TEST_LIMIT:-230} tests/test_triton_backend.py tests/test_gpu_reference.py tests/test_training_options.py \
+    group bf16 ${TEST_LIMIT:-230} tests/test_triton_backend.py tests/reference/test_gpu_reference.py tests/test_training_options.py \
       tests/test_contract_triton.py &
-    group moe ${TEST_LIMIT:-230} tests/test_moe.py tests/test_dispatch.py tests/test_router.py &
+    group moe ${TEST_LIMIT:-230} tests/moe/test_moe.py tests/moe/test_dispatch.py tests/moe/test_router.py &
   fi
   if has tests; then
     group recipes_mlp ${TEST_LIMIT:-230} tests/kernels/test_mlp_recipes.py &

@@ -37,7 +37,7 @@ Teardown: import moemlp before ``init_process_group`` (see the import below), re
 layer, graph and traceback that holds the group, then ``destroy_process_group()``: the group's
 worker threads are then joined while the interpreter is alive. A gloo worker thread that outlives
 it can drop the last reference to a finished all-to-all's tensors during interpreter shutdown,
-take the GIL there and abort the process (tests/test_ep.py has the details and the check).
+take the GIL there and abort the process (tests/moe/test_ep.py has the details and the check).
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def _worker(rank, port, errors):
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
-    os._exit(0)  # see tests/test_ep.py: skip C++ static destructors that abort a finished gloo process
+    os._exit(0)  # see tests/moe/test_ep.py: skip C++ static destructors that abort a finished gloo process
 
 
 def test_ep_checkpoints_and_training_at_world_sizes_1_2_4():
