@@ -1,5 +1,5 @@
 """Where the time of the grouped MLP under a recipe goes: each quantizer pass and GEMM of one
-forward + backward, timed alone on one ANCHORS.md shape (H200; written 2026-11-30).
+forward + backward, timed alone on one ANCHORS.md shape (written for the H200).
 
     PYTHONPATH=src python3 benchmarks/bench_recipe_parts.py [--shape mixtral-8x7b] [--out DIR]
 
@@ -7,7 +7,7 @@ Rows (triton.testing.do_bench medians, ms; GB/s where the part is a memory pass)
   quantize / dequantized passes of x (M, H), z-like (M, F) fp32, weights (E, 2F, H) and (E, H, F),
   the K-major copy of the weight codes, the wgrad quantizers, and the GEMMs: fp8 FC1, bf16 FC1
   (torch._grouped_mm), fp8 wgrad dW1 vs bf16 wgrad dW1 (moemlp's kernel).
-The fp8_block weight-tile quantizer also runs at 4, 8 and 16 warps (the default launch uses 4).
+The fp8_block weight-tile quantizer also runs at 4, 8 and 16 warps (the default launch uses 16).
 """
 
 from __future__ import annotations

@@ -9,10 +9,9 @@ What runs per step of the fp8_block / mxfp8 backward: fp8_block quantizes x, dy 
 mxfp8 writes their dequantized values (``dequantized_wgrad``). Rows: operand, recipe, tile
 (columns per program, warps), the library call with the row blocks computed once (``blocks=``; their
 torch ops timed once apart) in ms (do_bench median), GB/s (bytes read + written), and whether the
-bits equal the default tile's. Session 6's call 2 also timed a ``rows+T`` variant (the codes stored
-in rows as well, the launch before that session) by calling the kernel directly:
-results/2026-11-30-h200-session6/wgrad_quantizer.log. Then, per recipe, the summed time of the four
-operands for each tile.
+bits equal the default tile's (storing the codes in rows as well, the former launch, cost 5-10 %:
+docs/DECISIONS.md, "Quantizer tiles"). Then, per recipe, the summed time of the four operands for
+each tile.
 
 ``--gemm``: also the fp8 wgrad GEMM (``gemm.fp8_grouped_wgrad``, dW1 and dW2) per
 ``Fp8WgradConfig`` beside moemlp's bf16 wgrad kernel on the same operands, each config's result

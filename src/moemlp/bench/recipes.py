@@ -22,7 +22,7 @@ from .common import device_description, fwd_and_fwd_bwd_ms, print_table, routed_
 RECIPES = ("fp8_block", "mxfp8", "nvfp4")
 CACHED = "fp8_block_wcache"  # fp8_block, weights quantized once per step (micro-batches after the first)
 # y against the bf16 path, one seed per shape: fp8_block / mxfp8 ~24-26 dB and nvfp4 ~12-13 dB are
-# what the torch emulation gives (tests/test_recipes.py, MLP_FLOORS); 6 dB under is a broken path.
+# what the torch emulation gives (tests/recipes/test_recipe_contract.py, MLP_FLOORS); 6 dB under is a broken path.
 SANITY_DB = {"fp8_block": 18.0, "mxfp8": 18.0, "nvfp4": 6.0}
 
 

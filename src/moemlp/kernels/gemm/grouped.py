@@ -176,7 +176,7 @@ def grouped_gemm_kernel(
                     b_up = b_up.to(tl.float32)
             if FP8:
                 # Scales of this step, loaded in it: loading them one step ahead changed the four FC1
-                # shapes by ±5% (benchmarks/NOTES.md), noise.
+                # shapes by ±5%, noise (docs/DECISIONS.md, "fp8_block scales loaded one step ahead").
                 a_s = tl.load(a_s_ptrs + kk * stride_ask, mask=row_mask, other=0.0)
                 acc += _fp8_product(a, b, a_s, _b_scale(b_s_ptrs + kk * stride_bsk, ns_mask, B_SCALE_SCALAR),
                                     B_SCALE_SCALAR)  # fmt: skip
@@ -221,8 +221,9 @@ def _accumulate(a, b, acc, unit, PROMOTE: tl.constexpr, DOT_PRECISION: tl.conste
     truncation, so the error of a K-deep chain grows linearly with K: one chained accumulator gave
     fp32 dprobs errors of 2.1e-6 (K = H = 2048) to 7.9e-6 (K = 7168) against float64, on course to
     pass SPEC §1's 1e-5 near K = 9000; promoted every BK = 64 they were 1.6e-7..2.8e-7 (bound
-    64·2^-23 = 7.6e-6 for any data; benchmarks/NOTES.md). The multiply by ``unit`` (a runtime 1.0)
-    keeps the compiler from folding the add back into the dot's accumulator."""
+    64·2^-23 = 7.6e-6 for any data; docs/DECISIONS.md, "FC2_DGRAD promotes each 64-deep
+    product"). The multiply by ``unit`` (a runtime 1.0) keeps the compiler from folding the add back
+    into the dot's accumulator."""
     if PROMOTE:
         acc += tl.dot(a, b, input_precision=DOT_PRECISION) * unit
     else:

@@ -49,7 +49,8 @@ class GemmConfig:
 def default_config(
     kind: str, N: int, K: int, glu: bool, elem_bytes: int = 2, fp8: bool = False, emulated: bool = False
 ) -> GemmConfig:
-    """Tile shapes for the H200, checked with ptxas (no spills); measurements in benchmarks/NOTES.md.
+    """Tile shapes for the H200, checked with ptxas (no spills); measurements in docs/DECISIONS.md,
+    "bf16 tile configurations".
     ``fp8``: fp8_block's codes (BK = 128); ``emulated``: an mxfp8 / nvfp4 operand's bf16 values.
 
     Under the interpreter every program runs in numpy: 16-row tiles keep the CPU suite fast (16 is
@@ -94,7 +95,7 @@ def fp8_config(kind: str, glu: bool) -> GemmConfig:
     product in registers next to the accumulator, so a tile holds twice the fp32 values of a bf16
     one: FC1 with a GLU takes 64 columns of gate and of up (128×128 fp32 in all, as the others).
     128×128, 8 warps, 4 stages was the best of the forward GEMM's sweep; 64×128 at 4 warps and 3/5
-    stages were 1-6% slower (benchmarks/NOTES.md, "fp8_block GEMM")."""
+    stages were 1-6% slower (docs/DECISIONS.md, "fp8_block: an FP8 mode of the grouped-GEMM kernel")."""
     if kind == "fc1" and glu:
         gpu = GemmConfig(128, 64, 128, 8, 4, SUBTILE=2)
     elif kind == "fc1":

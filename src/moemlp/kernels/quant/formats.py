@@ -51,7 +51,7 @@ def e4m3_code(v):
 def e4m3_code_integer(v):
     """``e4m3_code`` in integer arithmetic on the fp32 bits, on every device. nvfp4's block scales
     use it: with the hardware conversion three nvfp4 GPU quantizer tests gave codes that differ
-    from the reference's (cause not found, benchmarks/NOTES.md)."""
+    from the reference's (cause not found; docs/DECISIONS.md, "e4m3 by the hardware conversion")."""
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     is_nan = v != v
