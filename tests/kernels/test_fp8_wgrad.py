@@ -19,12 +19,12 @@ output element of expert e (u = 2^-24, |G|, |X| the dequantized operands, n_e = 
 
 Total 127 + 2 + (n_e − 1) + 2 ≤ 128 + n_e + 4. A bf16 / fp16 output adds the store's one rounding:
 ≤ 2^-8 / 2^-11 of the value (unit roundoff), plus half the subnormal spacing (fp16: 2^-25, reached
-by the small-magnitude columns of the fp16 case). Measured 2026-11-30 (interpreter, cases below, fp32 output): at most
+by the small-magnitude columns of the fp16 case). Measured (interpreter, cases below, fp32 output): at most
 0.85·u·(|G|ᵀ@|X|), i.e. under one fp32 rounding (the bound is a worst case, not a fit).
 
 Accuracy of the recipe: SNR against float64 on the unquantized inputs ≥ 24 dB, torchao's wgrad floor
 and tests/test_recipes.py's (one GEMM of two e4m3-quantized Gaussian operands; measured 28.8-30.6 dB
-on the cases below, 2026-11-30).
+on the cases below).
 
 Without a GPU the kernel cases run under TRITON_INTERPRET=1 in a child pytest of this file
 (tests/_triton_env.py says why). Under the interpreter the 128-deep dot is a numpy fp32 matmul of
@@ -245,7 +245,7 @@ def check_nan_stays_in_its_row(device):
     out = fp8_block_grouped_wgrad(gq, xq, sp)
     if device != "cpu":
         # The triton 3.9 interpreter widens e4m3 dot operands through its own fp16 conversion, which
-        # reads 0x7F as 480 (2026-11-30), so only the GPU can check the NaN row itself.
+        # reads 0x7F as 480, so only the GPU can check the NaN row itself.
         assert out[0, 7].isnan().all()
     emu, mag = emulate(gq, xq, splits)
     others = torch.ones_like(out, dtype=torch.bool)
@@ -315,7 +315,7 @@ def compile_sm90(use_tma: bool, cfg):
 @pytest.mark.parametrize("tile", [(64, 128, 4, 4), (128, 128, 8, 4)], ids=["default", "128x128"])
 def test_compiles_for_hopper_without_spills(use_tma, tile):
     # The default GPU config (64×128, 4 warps) and the earlier one: FP8 wgmma in the mainloop and no
-    # local-memory spills (2026-11-30, triton 3.9: 128×128 at 8 warps 241 registers with TMA, 246
+    # local-memory spills (triton 3.9: 128×128 at 8 warps 241 registers with TMA, 246
     # with pointer loads, 128 KiB of shared memory; 128×128 at 4 warps (113 LDL) and 128×256 at 8
     # warps (49 LDL) spill, so they are not defaults).
     import re

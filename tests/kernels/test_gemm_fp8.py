@@ -221,7 +221,7 @@ def check_nan_stays_in_its_row(device):
     out = fp8_gemm(qa, qb, torch.tensor(splits, device=device), torch.float32)
     if device != "cpu":
         # The triton 3.9 interpreter widens e4m3 dot operands through its own fp16 conversion, which
-        # reads 0x7F as 480 (2026-11-30), so only the GPU can check the NaN row itself.
+        # reads 0x7F as 480, so only the GPU can check the NaN row itself.
         assert out[5].isnan().all()
     others = torch.ones(M, dtype=torch.bool, device=device)
     others[5] = False

@@ -45,11 +45,11 @@ RECIPES = [
     "nvfp4:hadamard=1,stochastic_rounding=1",
 ]
 
-# Relative RMS difference to the torch emulation of the same recipe. Measured on the CPU cases below
-# (2026-11-30): 0 to 3e-7 where no code flipped (fp32 order noise); 2.5e-5 on dW1 under fp8_block
+# Relative RMS difference to the torch emulation of the same recipe. Measured on the CPU cases below:
+# 0 to 3e-7 where no code flipped (fp32 order noise); 2.5e-5 on dW1 under fp8_block
 # with pow2_scales=False, where a block scale 448/amax follows every ulp of noise in its amax and one
 # e4m3 code of g_h moved. A wrong scale, row or expert costs ≥ 1e-2. On Hopper the fp8_block partial
-# sums keep ~14 bits (rel RMS 1.3e-4 per GEMM against an exact-fp32 emulation, H200 2026-11-30).
+# sums keep ~14 bits (rel RMS 1.3e-4 per GEMM against an exact-fp32 emulation, H200).
 #
 # fp8_block on Hopper is looser for a reason of its own: the FP8 partial sums (rel RMS 1.3e-4 against
 # the exact-fp32 emulation) move z and g_h across e4m3 rounding boundaries (code spacing 2^-3..2^-4
@@ -57,12 +57,12 @@ RECIPES = [
 # outputs after the second quantization differ by ~sqrt(1.4e-3)·0.09 ≈ 3.4e-3 relative RMS. The
 # bound takes 3x that (1e-2), still 6x under the recipe's own error against float64 (23.7 dB: 6.5e-2).
 # The emulated recipes run on bf16 tensor cores (exact products, fp32 sums): measured on the H200
-# (2026-11-30) 1.6e-5..5.4e-4 (nvfp4's 2^-1 code steps make its rare flips larger).
+# 1.6e-5..5.4e-4 (nvfp4's 2^-1 code steps make its rare flips larger).
 ORDER_RTOL = {"cpu": 1e-3, "cuda": 2e-3, "cuda-fp8": 1e-2}
 # dprobs = Σ g_z·a with g_z from the FC2-dgrad GEMM: fp32-level (SPEC §1's 1e-5) wherever the GEMM
 # sums in fp32 (the CPU, the emulated recipes on bf16 tensor cores: 1.3e-7..5.6e-7 on the H200). Under
 # fp8_block on Hopper g_z carries the FP8 tensor cores' 128-deep partial sums (~14 bits): dprobs was
-# 1.27e-4 and 1.29e-4 from the exact-fp32 emulation on mixtral_like (H200, 2026-11-30), against a
+# 1.27e-4 and 1.29e-4 from the exact-fp32 emulation on mixtral_like (H200), against a
 # recipe error of ~3e-2 from float64. Bound: 4x the measurement.
 DPROBS_RTOL = {False: 1e-5, True: 5e-4}
 STOCHASTIC_DB = 1.0
@@ -180,7 +180,7 @@ def test_cpu_dprobs_contract(key):
 def test_cpu_backward_builds_the_wgrad_row_blocks_once(key, monkeypatch):
     # The four wgrad operands of a backward share one row-block layout (same splits and rows): one
     # computation of its ~12 torch ops instead of four, host launch time that the small shapes pay
-    # (qwen3 ran host-bound on the H200, 2026-11-30).
+    # (qwen3 ran host-bound on the H200).
     from moemlp.kernels.quant import api as kq
 
     calls = []

@@ -168,7 +168,7 @@ def test_wgrad_quantizer_matches_torch_interpreted():
 
 
 # One case per recipe, so that the device sweep can spread them over processes (each recipe and
-# dtype compiles its own kernels; together they ran past a 150 s limit on a cold H200, 2026-11-30).
+# dtype compiles its own kernels; together they ran past a 150 s limit on a cold H200).
 @pytest.mark.gpu
 @pytest.mark.parametrize("key", RECIPES)
 def test_quantizers_match_torch_gpu(key):
@@ -207,7 +207,7 @@ def test_launcher_rejects_bad_inputs():
 @pytest.mark.parametrize("rid,uses_hw", [(0, True), (1, True), (2, False)])
 def test_e4m3_rounding_on_hopper_is_the_hardware_conversion_but_for_nvfp4(rid, uses_hw):
     # Offline sm_90 compile (no GPU): fp8_block's and mxfp8's element codes round with
-    # cvt.rn.satfinite.e4m3x2.f32 (half the instructions of the integer path, 2026-11-30), nvfp4's
+    # cvt.rn.satfinite.e4m3x2.f32 (half the instructions of the integer path), nvfp4's
     # block scales keep the integer path (kernels/quant/, e4m3_code_integer).
     import _sm90
     from moemlp.kernels.quant import api as kq

@@ -216,7 +216,7 @@ def test_qdq_equals_quantize_dequantize():
 
 # --- accuracy ------------------------------------------------------------------------------------------
 #
-# SNR in dB against float64 on the same unquantized fp32 inputs. Measured 2026-11-30 (torch 2.13
+# SNR in dB against float64 on the same unquantized fp32 inputs. Measured (torch 2.13
 # CPU), seeds 0-4 of the problems below (min-max):
 #
 #   one grouped GEMM          output       dgrad        wgrad
