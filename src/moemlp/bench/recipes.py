@@ -17,7 +17,8 @@ import torch
 
 from .._quantized_weights import quantize_weights
 from ..functional import grouped_mlp
-from .common import device_description, fwd_and_fwd_bwd_ms, print_table, routed_problem, write_csv
+from .common import device_description, fwd_and_fwd_bwd, print_table, routed_problem, write_csv
+from .mlp import NOISY_SPREAD
 
 RECIPES = ("fp8_block", "mxfp8", "nvfp4")
 CACHED = "fp8_block_wcache"  # fp8_block, weights quantized once per step (micro-batches after the first)
@@ -53,9 +54,12 @@ def bench_shape(shape, device, backend: str, rep_ms: int, recipes=RECIPES) -> di
             if not snr >= SANITY_DB[name]:
                 raise RuntimeError(f"{shape.name}: {name} output is {snr:.1f} dB from bf16's (< {SANITY_DB[name]})")
             row[f"{label}_snr_db"] = snr
-        fwd, fwd_bwd = fwd_and_fwd_bwd_ms(fn, leaves, dy, device, rep_ms)
+        t_fwd, t_fwd_bwd = fwd_and_fwd_bwd(fn, leaves, dy, device, rep_ms)
+        fwd, fwd_bwd = t_fwd.median, t_fwd_bwd.median
         row[f"{label}_fwd_ms"] = fwd
         row[f"{label}_fwdbwd_ms"] = fwd_bwd
+        row[f"{label}_fwdbwd_spread"] = t_fwd_bwd.spread
+        row[f"{label}_fwdbwd_n"] = t_fwd_bwd.n
         row[f"{label}_fwdbwd_tflops"] = shape.flops(True) / fwd_bwd / 1e9
         if name is not None:
             row[f"{label}_speedup_fwd"] = row["bf16_fwd_ms"] / fwd
@@ -88,5 +92,10 @@ def run_recipe_bench(shapes, device: torch.device, backend: str, out_dir: str, r
         + (" of triton's do_bench" if device.type == "cuda" else " of a host clock (CPU)")
         + "); speedup = bf16 time / recipe time, quantization included; snr = y vs the bf16 path (dB)",
     )
+    few = [f"{r['shape']}/{k[: -len('_fwdbwd_n')]}" for r in rows for k in r
+           if k.endswith("_fwdbwd_n") and (r[k] < 5 or r[k.replace("_n", "_spread")] > NOISY_SPREAD)]
+    if few:
+        print(f"\nwarning: fewer than 5 samples or a spread over {100 * NOISY_SPREAD:.0f}% for {', '.join(few)}: "
+              f"those medians are noise-prone; raise --rep-ms (each sample is one forward + backward)")
     print(f"\nwrote {csv_path}", file=sys.stderr)
     return rows
