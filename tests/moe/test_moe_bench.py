@@ -11,16 +11,20 @@ from moemlp.bench.moe import DEFAULT_EP, ep_sizes, run_moe_bench
 
 def test_moe_bench_cpu(tmp_path, capsys):
     rows = run_moe_bench(argparse.Namespace(device="cpu", backend="torch", out=str(tmp_path), ep=[1, 2]))
-    assert [r["ep"] for r in rows] == [1, 2]
+    assert [r["ep"] for r in rows] == [1, 1, 2]
     written = list(csv.DictReader(open(tmp_path / "moe_bench.csv")))
-    assert len(written) == 2
+    assert len(written) == 3
     for r in written:
         assert float(r["layer_ms"]) > 0 and float(r["tokens_per_s"]) > 0 and float(r["tflops"]) > 0
-        shares = [float(r[f"{p}_pct"]) for p in ("dispatch", "experts", "combine")]
+        phases = ("dispatch", "experts", "combine") + (("shared",) if r["shared_pct"] else ())
+        shares = [float(r[f"{p}_pct"]) for p in phases]
         assert all(s > 0 for s in shares) and sum(shares) == pytest.approx(100.0)
         # Every routed row of this rank is processed by some expert: T·k rows in total over ranks.
         assert int(r["expert_rows"]) > 0
-    one, two = written
+    one, features, two = written
+    # The DeepSeek-V3 layer features: a shared expert's share of the phases, the same routed rows.
+    assert features["shape"] == "cpu-small+shared+groups" and float(features["shared_pct"]) > 0
+    assert int(features["expert_rows"]) == 256 * 2 and one["shared_pct"] == ""
     assert int(one["expert_rows"]) == 256 * 2  # one process: all T·k rows are local
     assert int(one["E"]) == 4 and int(two["E"]) == 8  # 4 experts per rank at every world size
     assert one["a2a_ms"] == ""  # no all-to-all on one process

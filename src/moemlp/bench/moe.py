@@ -74,6 +74,9 @@ class MoEShape:
     top_k: int
     tokens: int  # per rank, fixed as W grows
     ep: int  # expert-parallel ranks, W
+    # DeepSeek-V3's other layer features: one shared expert of F, group-limited routing (8 groups,
+    # the best 4; 2 and 1 on the small CPU shape), routed_scaling_factor 2.5.
+    deepseek_features: bool = False
 
     @property
     def experts(self) -> int:  # E, all ranks together
@@ -84,12 +87,21 @@ class MoEShape:
         return 18.0 * self.tokens * self.top_k * self.hidden * self.ffn
 
 
-def moe_shape(on_gpu: bool, ep: int) -> MoEShape:
+def moe_shape(on_gpu: bool, ep: int, deepseek_features: bool = False) -> MoEShape:
     """DeepSeek-V3's expert shape (H 7168, F 2048, top-8, sigmoid routing) with its 32 experts per
-    GPU (256 experts over 8-way EP) and 4096 tokens per GPU; on the CPU a small shape."""
+    GPU (256 experts over 8-way EP) and 4096 tokens per GPU; on the CPU a small shape.
+    ``deepseek_features``: with its shared expert and group-limited routing too."""
+    suffix = "+shared+groups" if deepseek_features else ""
     if on_gpu:
-        return MoEShape("deepseek-v3-like", 7168, 2048, 32, 8, 4096, ep)
-    return MoEShape("cpu-small", 256, 128, 4, 2, 256, ep)
+        return MoEShape("deepseek-v3-like" + suffix, 7168, 2048, 32, 8, 4096, ep, deepseek_features)
+    return MoEShape("cpu-small" + suffix, 256, 128, 4, 2, 256, ep, deepseek_features)
+
+
+def _feature_kwargs(shape: MoEShape) -> dict:
+    if not shape.deepseek_features:
+        return {}
+    groups = 8 if shape.experts % 8 == 0 and shape.experts >= 32 else 2
+    return dict(num_shared_experts=1, num_groups=groups, topk_groups=max(1, groups // 2), routed_scaling_factor=2.5)
 
 
 def _time_ms(fn, device: torch.device, iters: int, warmup: int, group=None) -> float:
@@ -119,7 +131,7 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
     torch.manual_seed(0)
     moe = MoE(hidden_size=shape.hidden, ffn_hidden_size=shape.ffn, num_experts=shape.experts, top_k=shape.top_k,
               score="sigmoid", expert_bias=True, aux_loss_coeff=1e-4, ep_group=group, backend=backend,
-              device=device, dtype=dtype)
+              device=device, dtype=dtype, **_feature_kwargs(shape))
     rank = dist.get_rank(group) if group is not None else 0
     g = torch.Generator(device=device).manual_seed(1 + rank)  # drawn on the device: 1 GB of rows
 
@@ -129,6 +141,7 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
     x = randn(shape.tokens, shape.hidden).requires_grad_()
     dy = randn(shape.tokens, shape.hidden)
     router_w, w1, w2 = moe.router.weight, moe.experts.fc1_weight, moe.experts.fc2_weight
+    shared_params = list(moe.shared_experts.parameters()) if moe.shared_experts is not None else []
     triton = use_triton(backend, device)
 
     def dispatch():
@@ -150,7 +163,10 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
     expert_rows = int(splits.sum())
 
     def full():
-        torch.autograd.grad(moe(x), [x, router_w, w1, w2], dy)
+        torch.autograd.grad(moe(x), [x, router_w, w1, w2, *shared_params], dy)
+
+    def shared_phase():  # the shared experts on every token, as the layer runs them
+        torch.autograd.grad(moe._shared_forward(x, None), [x, *shared_params], dy)
 
     def dispatch_phase():
         xr, _, pr, _ = dispatch()
@@ -167,7 +183,10 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
            "E_local": shape.local_experts, "top_k": shape.top_k, "tokens_per_rank": shape.tokens,
            "expert_rows": expert_rows}
     times = {"layer": _time_ms(full, device, iters, warmup, group)}
-    for name, fn in (("dispatch", dispatch_phase), ("experts", experts_phase), ("combine", combine_phase)):
+    phase_fns = [("dispatch", dispatch_phase), ("experts", experts_phase), ("combine", combine_phase)]
+    if shared_params:
+        phase_fns.append(("shared", shared_phase))
+    for name, fn in phase_fns:
         times[name] = _time_ms(fn, device, iters, warmup, group)
     if group is not None:
         times.update(_measure_all_to_all(state, x_rows.shape[1], dtype, device, group, iters, warmup))
@@ -181,7 +200,7 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
     row["layer_ms"] = times["layer"]
     row["tokens_per_s"] = shape.tokens / row["layer_ms"] * 1e3  # per rank
     row["tflops"] = shape.flops_per_rank() / row["layer_ms"] / 1e9  # per rank
-    phases = {name: times[name] for name in ("dispatch", "experts", "combine")}
+    phases = {name: times[name] for name, _ in phase_fns}
     total = sum(phases.values())
     for name, ms in phases.items():
         row[f"{name}_ms"] = ms
@@ -306,8 +325,8 @@ def _plot(rows: list[dict], path: str) -> bool:
     fig, ax = plt.subplots(figsize=(7, 1.2 + 0.6 * len(rows)))
     labels = [f"{r['shape']} ep{r['ep']}" for r in rows]
     left = [0.0] * len(rows)
-    for name in ("dispatch", "experts", "combine"):
-        ms = [r[f"{name}_ms"] for r in rows]
+    for name in ("dispatch", "experts", "combine", "shared"):
+        ms = [r.get(f"{name}_ms") or 0.0 for r in rows]  # "": a layer without shared experts
         ax.barh(labels, ms, left=left, label=name)
         left = [a + b for a, b in zip(left, ms)]
     ax.set_xlabel("forward + backward, ms per rank")
@@ -339,6 +358,11 @@ def run_moe_bench(args) -> list[dict]:
         if ep == 1:
             row = measure(shape, device, backend, None, iters, warmup)
             row["backend"] = "-"
+            rows.append(row)
+            # The same layer with DeepSeek-V3's shared expert and group-limited routing: its time, and
+            # the shared expert's share of the phases.
+            row = measure(moe_shape(on_gpu, 1, deepseek_features=True), device, backend, None, iters, warmup)
+            row["backend"] = "-"
             if on_gpu:
                 torch.cuda.empty_cache()  # the EP processes below share this GPU
         elif on_gpu and gpus < ep:
@@ -348,8 +372,12 @@ def run_moe_bench(args) -> list[dict]:
             row = _run_ep(shape, device.type, backend, iters, warmup)
         rows.append(row)
 
+    if not rows:
+        return rows
+    columns = list(dict.fromkeys(k for r in rows for k in r))  # EP rows add the all-to-all columns
+    rows = [{k: r.get(k, "") for k in columns} for r in rows]
     print_table(rows, ["shape", "ep", "E", "E_local", "tokens_per_rank", "layer_ms", "tokens_per_s", "tflops",
-                       "dispatch_pct", "experts_pct", "combine_pct"],
+                       "dispatch_pct", "experts_pct", "combine_pct", "shared_pct"],
                 "MoE layer forward + backward, per rank, slowest rank (bf16, fp32 router and probs)")
     ep_rows = [r for r in rows if r["ep"] > 1]
     if ep_rows:
@@ -357,10 +385,6 @@ def run_moe_bench(args) -> list[dict]:
                               "dist_busbw_GBps", "a2a_pct"],
                     "One row all-to-all of the layer (4 per forward + backward) beside torch.distributed's "
                     "all_to_all_single at the same size")
-    if not rows:
-        return rows
-    columns = list(dict.fromkeys(k for r in rows for k in r))  # EP rows add the all-to-all columns
-    rows = [{k: r.get(k, "") for k in columns} for r in rows]
     csv_path = os.path.join(out, "moe_bench.csv")
     write_csv(csv_path, rows)
     print(f"wrote {csv_path}")
