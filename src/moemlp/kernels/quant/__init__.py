@@ -1,28 +1,7 @@
 """Triton quantizers of SPEC §3's recipes: formats.py (element and scale arithmetic), kernels.py (the
 quantizer kernels), api.py (their launchers, the names below)."""
 
-from .api import (
-    RowBlocks,
-    dequantized,
-    dequantized_weight,
-    dequantized_wgrad,
-    exact_dtype,
-    quantize,
-    quantize_weight,
-    quantize_wgrad,
-    row_blocks,
-    supports,
-)
+from . import api as _api
+from .api import *  # noqa: F403  the launchers, named once in api.__all__
 
-__all__ = [
-    "quantize",
-    "quantize_weight",
-    "quantize_wgrad",
-    "row_blocks",
-    "RowBlocks",
-    "supports",
-    "dequantized",
-    "dequantized_weight",
-    "dequantized_wgrad",
-    "exact_dtype",
-]
+__all__ = list(_api.__all__)
