@@ -217,10 +217,9 @@ class MoE(nn.Module):
             routed_scaling_factor=routed_scaling_factor,
             device=device,
         )
-        self.experts = GroupedMLP(
-            num_experts=self.num_local_experts,
+        # Routed and shared experts run the same fused path with the same options.
+        mlp_options = dict(
             hidden_size=hidden_size,
-            ffn_hidden_size=ffn_hidden_size,
             activation=activation,
             activation_params=activation_params,
             recipe=recipe,
@@ -230,6 +229,7 @@ class MoE(nn.Module):
             device=device,
             dtype=dtype,
         )
+        self.experts = GroupedMLP(num_experts=self.num_local_experts, ffn_hidden_size=ffn_hidden_size, **mlp_options)
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
         self.pad_to_capacity = pad_to_capacity
@@ -237,17 +237,7 @@ class MoE(nn.Module):
         self.shared_expert_ffn_hidden_size = shared_expert_ffn_hidden_size or ffn_hidden_size
         if num_shared_experts:
             self.shared_experts = GroupedMLP(
-                num_experts=1,
-                hidden_size=hidden_size,
-                ffn_hidden_size=num_shared_experts * self.shared_expert_ffn_hidden_size,
-                activation=activation,
-                activation_params=activation_params,
-                recipe=recipe,
-                backend=backend,
-                recompute_fc1=recompute_fc1,
-                accumulate_into_main_grad=accumulate_into_main_grad,
-                device=device,
-                dtype=dtype,
+                num_experts=1, ffn_hidden_size=num_shared_experts * self.shared_expert_ffn_hidden_size, **mlp_options
             )
         else:
             self.shared_experts = None
