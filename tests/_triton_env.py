@@ -43,3 +43,15 @@ def run_file_interpreted(test_file: str, timeout: int = 600) -> None:
     assert passed and int(passed.group(1)) > 0, "the interpreter child ran no test:\n" + run.stdout[-2000:]
     skipped = re.search(r"(\d+) skipped", run.stdout)
     CHILD_RESULTS.append((os.path.basename(test_file), int(passed.group(1)), int(skipped.group(1)) if skipped else 0))
+
+
+def run_check_interpreted(test_file: str, check: str, *args: str, timeout: int = 120) -> None:
+    """``check(*args)`` of ``test_file``'s module in a child process with TRITON_INTERPRET=1 (the
+    variable is read when the kernels are defined); fail with its output."""
+    here = os.path.dirname(os.path.abspath(test_file))
+    module = os.path.splitext(os.path.basename(test_file))[0]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
+    code = f"import {module} as t; t.{check}(*{list(args)!r})"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-4000:]

@@ -8,11 +8,9 @@ test's kernels onto the interpreter too.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
+import _triton_env
 import torch
 
 from moemlp.recipes import from_key, recipe
@@ -149,12 +147,7 @@ def check_wgrad_matches_torch(device: str, big: bool = False, keys=WGRAD_RECIPES
 
 
 def _run_interpreted(check: str) -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
-    code = f"import test_quant as t; t.{check}('cpu')"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-5000:]
+    _triton_env.run_check_interpreted(__file__, check, "cpu", timeout=300)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests below cover it")
@@ -210,7 +203,6 @@ def test_e4m3_rounding_on_hopper_is_the_hardware_conversion_but_for_nvfp4(rid, u
     # cvt.rn.satfinite.e4m3x2.f32 (half the instructions of the integer path), nvfp4's
     # block scales keep the integer path (kernels/quant/, e4m3_code_integer).
     import _sm90
-    from moemlp.kernels.quant import api as kq
 
     from moemlp.kernels.quant import formats, kernels
 

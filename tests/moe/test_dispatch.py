@@ -5,11 +5,9 @@ variable when a kernel is decorated, and setting it in this process would switch
 test's grouped MLP onto the interpreter too.
 """
 
-import os
-import subprocess
-import sys
 
 import pytest
+import _triton_env
 import torch
 
 from moemlp.moe import dispatch
@@ -163,12 +161,7 @@ def test_triton_gathers_match_torch_bitwise():
     if torch.cuda.is_available():
         check_triton_gathers_match_torch_bitwise("cuda")
         return
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
-    code = "import test_dispatch as t; t.check_triton_gathers_match_torch_bitwise('cpu')"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
+    _triton_env.run_check_interpreted(__file__, "check_triton_gathers_match_torch_bitwise", "cpu")
 
 
 def test_use_triton_choice():

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import _triton_env
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -164,13 +165,7 @@ def test_triton_layer_matches_torch():
     if torch.cuda.is_available():
         check_triton_layer_matches_torch("cuda")
         return
-    # The interpreter in a child process: TRITON_INTERPRET is read when kernels are defined.
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
-    code = "import test_moe as t; t.check_triton_layer_matches_torch('cpu')"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
+    _triton_env.run_check_interpreted(__file__, "check_triton_layer_matches_torch", "cpu")
 
 
 def test_expert_bias_changes_selection_only():

@@ -7,6 +7,7 @@ states them), evaluated in float64. Every gradient is compared, the router's and
 import math
 
 import pytest
+import _triton_env
 import torch
 import torch.nn.functional as F
 
@@ -337,14 +338,4 @@ def test_triton_features_match_torch():
     if torch.cuda.is_available():
         check_triton_features_match_torch("cuda")
         return
-    # The interpreter in a child process: TRITON_INTERPRET is read when kernels are defined.
-    import os
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
-    code = "import test_moe_features as t; t.check_triton_features_match_torch('cpu')"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
+    _triton_env.run_check_interpreted(__file__, "check_triton_features_match_torch", "cpu")
