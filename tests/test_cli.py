@@ -83,3 +83,23 @@ def test_unknown_peer_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--peers", "lean,cublas"])
     assert "cublas" in capsys.readouterr().err
+
+
+def test_bench_parts_needs_the_triton_backend(tmp_path, monkeypatch):
+    # On a CPU outside the interpreter the Triton launches cannot run: a clear refusal, not a crash.
+    from moemlp import kernels
+
+    monkeypatch.setattr(kernels, "is_available", lambda device: False)
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda device: "no GPU and TRITON_INTERPRET unset")
+    with pytest.raises(SystemExit, match="bench --parts times the Triton backend's launches.*no GPU"):
+        main(["bench", "--parts", "--device", "cpu", "--shape", "cpu-fine", "--out", str(tmp_path)])
+
+
+@pytest.mark.gpu
+def test_bench_parts_gpu(tmp_path, capsys):
+    assert main(["bench", "--parts", "--shape", "cpu-small", "--out", str(tmp_path), "--rep-ms", "20"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "parts.csv")))
+    assert [r["gemm"] for r in rows] == ["fc1", "fc2", "fc2_dgrad", "fc1_dgrad", "fc1_wgrad", "fc2_wgrad"]
+    for r in rows:
+        assert 0 < float(r["moemlp_pct_mm"]) < 1000 and float(r["mm_tflops"]) > 0
+    assert "% of a dense torch.mm" in capsys.readouterr().out

@@ -1,0 +1,152 @@
+"""`python -m moemlp bench --parts`: the six GEMMs of one forward + backward, each timed alone as
+moemlp's Triton backend launches it (epilogues included) and reported as a percentage of a dense
+``torch.mm`` of the same FLOPs, beside ``torch._grouped_mm`` on the same plain GEMM and, where this
+triton has it, the Gluon engine on the plain GEMM.
+
+The six GEMMs (M routed rows, H hidden, F per-expert FFN, N1 = 2F):
+
+  fc1         h = x @ W1[e]ᵀ          (M, H) × (H, N1);  epilogue: SwiGLU · probs → z, h stored
+  fc2         y = z @ W2[e]ᵀ          (M, F) × (F, H)
+  fc2_dgrad   g_z = dy @ W2[e]        (M, H) × (H, F);   epilogue: dSwiGLU · probs → g_h, z,
+                                                          dprobs row partials (then their reduce,
+                                                          timed with it)
+  fc1_dgrad   dx = g_h @ W1[e]        (M, N1) × (N1, H)
+  fc1_wgrad   dW1[e] = g_hᵀ @ x       per expert (N1, R_e) × (R_e, H)
+  fc2_wgrad   dW2[e] = dyᵀ @ z        per expert (H, R_e) × (R_e, F)
+
+``% of mm`` is t(dense torch.mm of the same FLOPs) / t(kernel) · 100: 100 is a dense GEMM's speed.
+The dense mm has the forward's orientation for the forward and dgrad GEMMs, and (N, M) × (M, K) for
+the weight gradients. ``grouped_mm`` is the plain GEMM with no epilogue (what the torch composition
+runs before its separate elementwise ops). ``gluon`` is the Gluon engine on the same GEMM with the
+weights read in place and no epilogue: bf16 C for fc1, fc2 and fc1_dgrad; for fc2_dgrad the fp32 g_z
+with each 64-deep product promoted (what dprobs' accuracy needs), so that column is the engine's
+speed on the GEMM an unfused FC2_DGRAD would run, not a path moemlp runs today.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .._config import MLPConfig
+from ..activations import ACTIVATIONS
+from .common import device_description, print_table, routed_problem, time_ms, write_csv
+
+__all__ = ["run_parts_bench", "GEMMS"]
+
+GEMMS = ("fc1", "fc2", "fc2_dgrad", "fc1_dgrad", "fc1_wgrad", "fc2_wgrad")
+
+
+def _gluon_ready(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    from ..kernels.gluon import is_available
+
+    return is_available(device)
+
+
+def _grouped_mm_ready(x: torch.Tensor) -> bool:
+    return (
+        hasattr(torch, "_grouped_mm") and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
+
+
+def run_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int) -> list[dict]:
+    """Times the six GEMMs at each shape; prints one table and writes ``parts.csv``."""
+    from ..kernels import is_available, unavailable_reason
+    from ..kernels.gemm import launch as launch_mod
+    from ..kernels import operands
+
+    if not is_available(device):
+        raise SystemExit(
+            f"bench --parts times the Triton backend's launches, which cannot run here: {unavailable_reason(device)}"
+        )
+    gluon = _gluon_ready(device)
+    if gluon:
+        from ..kernels.gluon import grouped_gemm as gluon_gemm
+    print(f"bench --parts on {device_description(device)}", flush=True)
+    rows = []
+    for shape in shapes:
+        x, splits, probs, w1, w2, dy = routed_problem(shape, device)
+        M, H, F = shape.rows, shape.hidden, shape.ffn
+        N1 = 2 * F
+        cfg = MLPConfig(ACTIVATIONS["swiglu"], (), F, False)
+        W1, W2 = operands.weights((w1, w2), None)
+        h = torch.empty((M, N1), dtype=x.dtype, device=device)
+        z = torch.empty((M, F), dtype=x.dtype, device=device)
+        y = torch.empty((M, H), dtype=x.dtype, device=device)
+        g_h = torch.empty((M, N1), dtype=x.dtype, device=device)
+        z_b = torch.empty((M, F), dtype=x.dtype, device=device)
+        dx = torch.empty((M, H), dtype=x.dtype, device=device)
+        dprobs = torch.empty_like(probs)
+
+        def fc1():
+            operands.gemm("fc1", x, W1, splits=splits, out=h, z=z, probs=probs, N=F, K=H, N1=N1, cfg=cfg)
+
+        def fc2():
+            operands.gemm("fc2", z, W2, splits=splits, out=y, probs=probs, N=H, K=F, N1=N1, cfg=cfg)
+
+        def fc2_dgrad():
+            partial = operands.gemm("fc2_dgrad", dy, W2, splits=splits, out=g_h, probs=probs, z=z_b, h=h,
+                                    dprobs_partials=True, N=F, K=H, N1=N1, cfg=cfg)  # fmt: skip
+            launch_mod.launch_dprobs_reduce(partial=partial, dy=dy, fc2_bias=None, splits=splits, dprobs=dprobs,
+                                            bias_term=False)  # fmt: skip
+
+        def fc1_dgrad():
+            operands.gemm("fc1_dgrad", g_h, W1, splits=splits, out=dx, N=H, K=N1, N1=N1, cfg=cfg)
+
+        def fc1_wgrad():
+            operands.wgrad(g_h, x, splits, None, dtype=x.dtype, dw_dtype=w1.dtype)
+
+        def fc2_wgrad():
+            operands.wgrad(dy, z_b, splits, None, dtype=x.dtype, dw_dtype=w2.dtype)
+
+        # One pass in schedule order first, so that each later launch reads real h, z and g_h.
+        for fn in (fc1, fc2, fc2_dgrad, fc1_dgrad, fc1_wgrad, fc2_wgrad):
+            fn()
+        offs = torch.cumsum(splits, 0).to(torch.int32)
+        grouped = _grouped_mm_ready(x)
+        # (kernel, peer, gluon, dense A, dense B): the dense mm has the GEMM's FLOPs
+        parts = {
+            "fc1": (fc1, lambda: torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
+                    lambda: gluon_gemm(x, w1, splits), (M, H), (H, N1)),
+            "fc2": (fc2, lambda: torch._grouped_mm(z, w2.transpose(1, 2), offs=offs),
+                    lambda: gluon_gemm(z, w2, splits), (M, F), (F, H)),
+            "fc2_dgrad": (fc2_dgrad, lambda: torch._grouped_mm(dy, w2, offs=offs),
+                          lambda: gluon_gemm(dy, w2, splits, b_layout="kn", out_dtype=torch.float32, promote=True),
+                          (M, H), (H, F)),
+            "fc1_dgrad": (fc1_dgrad, lambda: torch._grouped_mm(g_h, w1, offs=offs),
+                          lambda: gluon_gemm(g_h, w1, splits, b_layout="kn"), (M, N1), (N1, H)),
+            "fc1_wgrad": (fc1_wgrad, lambda: torch._grouped_mm(g_h.t(), x, offs=offs), None, (N1, M), (M, H)),
+            "fc2_wgrad": (fc2_wgrad, lambda: torch._grouped_mm(dy.t(), z_b, offs=offs), None, (H, M), (M, F)),
+        }
+        for name, (kernel, peer, engine, a_shape, b_shape) in parts.items():
+            a = torch.randn(a_shape, device=device, dtype=x.dtype)
+            b = torch.randn(b_shape, device=device, dtype=x.dtype)
+            flops = 2.0 * a_shape[0] * a_shape[1] * b_shape[1]
+            t_mm = time_ms(lambda: torch.mm(a, b), device, rep_ms=rep_ms).median
+            t_k = time_ms(kernel, device, rep_ms=rep_ms).median
+            row = {
+                "shape": shape.name,
+                "gemm": name,
+                "rows_per_expert": M / shape.experts,
+                "mm_tflops": flops / t_mm / 1e9,
+                "moemlp_ms": t_k,
+                "moemlp_tflops": flops / t_k / 1e9,
+                "moemlp_pct_mm": 100.0 * t_mm / t_k,
+                "grouped_mm_pct_mm": float("nan"),
+                "gluon_pct_mm": float("nan"),
+            }
+            if grouped:
+                row["grouped_mm_pct_mm"] = 100.0 * t_mm / time_ms(peer, device, rep_ms=rep_ms).median
+            if gluon and engine is not None:
+                row["gluon_pct_mm"] = 100.0 * t_mm / time_ms(engine, device, rep_ms=rep_ms).median
+            rows.append(row)
+            print(f"  {shape.name:>16} {name:>10}: {row['moemlp_pct_mm']:5.1f}% of mm", flush=True)
+        del parts
+    write_csv(os.path.join(out_dir, "parts.csv"), rows)
+    print_table(rows, ["shape", "gemm", "rows_per_expert", "mm_tflops", "moemlp_tflops", "moemlp_pct_mm",
+                       "grouped_mm_pct_mm", "gluon_pct_mm"],
+                "\nthe six GEMMs, % of a dense torch.mm of the same FLOPs (median ms of do_bench; nan: not run here)")
+    return rows
