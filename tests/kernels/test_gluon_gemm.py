@@ -18,7 +18,8 @@ needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks:
 BM, BN, BK, STAGES, GROUP_M = 128, 128, 64, 4, 8
 
 
-def _compile_sm90(e_block: int, splits_dtype: str):
+def _compile_sm90(e_block: int, splits_dtype: str, b_kmajor: bool = True, out_fp32: bool = False,
+                  promote: bool = False):
     """Compiles the engine for sm_90 without a GPU; returns (sass, cuobjdump -res-usage, shared bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -31,12 +32,16 @@ def _compile_sm90(e_block: int, splits_dtype: str):
         pytest.skip("triton ships no cuobjdump here")
     gl = _compat.gl
 
-    def desc(block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-        return f"tensordesc<bf16[{block[0]},{block[1]}],{layout!r}>"
+    def desc(block, dtype="bf16"):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == "bf16" else gl.float32)
+        return f"tensordesc<{dtype}[{block[0]},{block[1]}],{layout!r}>"
 
-    constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block)
-    sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN, BK]), "c_desc": desc([BM, BN]), "c_ptr": "*bf16",
+    c = "fp32" if out_fp32 else "bf16"
+    bm = 64 if promote else BM
+    constexprs = dict(BM=bm, BN=BN, BK=BK, STAGES=3 if out_fp32 and not promote else STAGES, GROUP_M=GROUP_M,
+                      E_BLOCK=e_block, B_KMAJOR=b_kmajor, PROMOTE=promote)
+    sig = {"a_desc": desc([bm, BK]), "b_desc": desc([BN, BK] if b_kmajor else [BK, BN]),
+           "c_desc": desc([bm, BN], c), "c_ptr": f"*{c}",
            "splits_ptr": f"*{splits_dtype}", "E": "i32", "M": "i32", "N": "i32", "K": "i32"}
     sig.update({name: "constexpr" for name in constexprs})
     names = list(sig)
@@ -60,31 +65,46 @@ def _compile_sm90(e_block: int, splits_dtype: str):
 
 @needs_gluon
 @pytest.mark.parametrize(
-    "e_block, splits_dtype",
+    "e_block, splits_dtype, b_kmajor, out_fp32, promote",
     [
-        pytest.param(128, "i32", id="E128-int32"),  # qwen3 / gpt-oss expert counts
-        pytest.param(32, "i64", id="E32-int64"),  # the smallest table, int64 splits
-        pytest.param(256, "i32", id="E256-int32"),  # the largest table the launcher accepts
+        pytest.param(128, "i32", True, False, False, id="E128-int32"),  # qwen3 / gpt-oss expert counts
+        pytest.param(32, "i64", True, False, False, id="E32-int64"),  # the smallest table, int64 splits
+        pytest.param(256, "i32", True, False, False, id="E256-int32"),  # the largest table the launcher accepts
+        pytest.param(128, "i32", False, True, False, id="E128-kn-fp32"),  # W2 read in place, fp32 C
+        pytest.param(32, "i32", False, False, False, id="E32-kn-bf16"),  # FC1_DGRAD's dx: W1 read in place
+        pytest.param(128, "i32", False, True, True, id="E128-kn-fp32-promoted"),  # FC2_DGRAD's g_z
     ],
 )
-def test_offline_sm90_compile(e_block, splits_dtype):
-    sass, usage, shared = _compile_sm90(e_block, splits_dtype)
+def test_offline_sm90_compile(e_block, splits_dtype, b_kmajor, out_fp32, promote):
+    sass, usage, shared = _compile_sm90(e_block, splits_dtype, b_kmajor, out_fp32, promote)
     # Each consumer warpgroup's k-step is 2 m64 halves × BK/16 = 4 wgmma of m64n128k16; the
     # consumer body is emitted once per warpgroup: 16 in all.
-    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16", sass)) == 2 * 2 * (BK // 16)
-    assert len(re.findall(r"\bUTMALDG\.2D\b", sass)) == 2  # the producer's A and B loads
+    # Each consumer warpgroup's k-step is BM/64 m64 halves × BK/16 wgmma of m64n128k16, emitted once
+    # per warpgroup (promoted at BM = 64: one m64 row block).
+    hgmma = re.findall(r"HGMMA\.64x128x16\.F32\.BF16(\S*)", sass)
+    assert len(hgmma) == 2 * (1 if promote else 2) * (BK // 16), len(hgmma)
+    if promote:
+        # Promoted: each step's chain starts from zero (RZ, no accumulator input), and the four k16
+        # wgmma of a step are chained without a wait between them (ptxas did not serialize them).
+        assert sum("RZ, !UPT" in line for line in sass.splitlines() if "HGMMA" in line) == 2
+        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 2
+    # The producer's A and B loads; a [BK, BN] = [64, 128] bf16 B block is 256 bytes wide, past the
+    # 128-byte swizzle span that one TMA box may cover, so it takes two boxes.
+    assert len(re.findall(r"\bUTMALDG\.2D\b", sass)) == (2 if b_kmajor else 3)
     assert len(re.findall(r"\bUTMASTG\.2D\b", sass)) >= 2  # TMA stores of both warpgroups
     assert re.search(r"\bSYNCS\.ARRIVE", sass) and re.search(r"\bSYNCS\.PHASECHK", sass)  # mbarriers
     # setmaxnreg: the producer gives registers back down to 40, the consumers take 232.
     assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", sass)
     assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", sass)
-    assert re.search(r"\bSTG\.E\.128\b", sass)  # the masked 16-byte stores of expert-boundary tiles
+    assert re.search(r"\bSTG\.E\.(128|ENL2\.256)\b", sass)  # the masked vector stores of expert-boundary tiles
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
     assert regs <= 168, usage  # 12 warps × 168 × 32 lanes fits 65,536 registers
     assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
-    # 4 stages × 32 KiB + 2 epilogue tiles × 32 KiB + barriers, within sm_90's 227 KiB a CTA.
-    assert 192 * 1024 <= shared <= 227 * 1024, shared
+    # 4 stages × 32 KiB + 2 bf16 epilogue tiles × 32 KiB (or 3 stages + 2 fp32 tiles × 64 KiB) + barriers,
+    # within sm_90's 227 KiB a CTA.
+    low = 160 if promote else 224 if out_fp32 else 192
+    assert low * 1024 <= shared <= 227 * 1024, shared
 
 
 def test_compat_reports_what_is_missing():
@@ -134,7 +154,7 @@ CASES = [
 
 
 def _reference(a, b, splits, M):
-    """float64 C[R_e] = A[R_e] @ B[e]ᵀ with the kernel's clamping of splits; capacity rows 0."""
+    """float64 C[R_e] = A[R_e] @ B[e]ᵀ (b as (E, N, K)) with the kernel's clamping of splits; capacity rows 0."""
     rows = splits.to(torch.int64).clamp(0, M)
     cum = rows.cumsum(0)
     ends = cum.clamp(max=M)
@@ -160,11 +180,22 @@ def engine_runs():
         pytest.fail(reason)
 
 
+# (b_layout, out dtype, splits dtype): the forward GEMMs' layout with both splits dtypes, and the
+# dgrads' in-place weight layout with a bf16 C (FC1_DGRAD's dx) and an fp32 C (FC2_DGRAD's g_z).
+VARIANTS = [
+    pytest.param("nk", torch.bfloat16, torch.int32, False, id="nk-bf16-int32"),
+    pytest.param("nk", torch.bfloat16, torch.int64, False, id="nk-bf16-int64"),
+    pytest.param("kn", torch.bfloat16, torch.int32, False, id="kn-bf16"),
+    pytest.param("kn", torch.float32, torch.int64, False, id="kn-fp32"),
+    pytest.param("kn", torch.float32, torch.int32, True, id="kn-fp32-promoted"),  # FC2_DGRAD's g_z
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("b_layout, out_dtype, splits_dtype, promote", VARIANTS)
 @pytest.mark.parametrize("splits_list, M, N, K", CASES)
-def test_grouped_gemm_gpu(splits_list, M, N, K, splits_dtype, engine_runs):
-    from moemlp.kernels.gluon import grouped_gemm
+def test_grouped_gemm_gpu(splits_list, M, N, K, b_layout, out_dtype, splits_dtype, promote, engine_runs):
+    from moemlp.kernels.gluon import grouped_gemm, supports
 
     torch.manual_seed(0)
     dev = "cuda"
@@ -173,26 +204,39 @@ def test_grouped_gemm_gpu(splits_list, M, N, K, splits_dtype, engine_runs):
     b = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16) / K**0.5
     splits = torch.tensor(splits_list, device=dev, dtype=splits_dtype)
     ref, routed = _reference(a, b, splits, M)
+    operand = b if b_layout == "nk" else b.transpose(1, 2).contiguous()  # (E, K, N): the same B_e
+    if b_layout == "kn" and E > 1 and K % BK:
+        # Experts stacked along K with a K block straddling two: refused, not read wrongly.
+        assert supports(a, operand, b_layout)
+        with pytest.raises(ValueError, match="multiple of 64"):
+            grouped_gemm(a, operand, splits, b_layout=b_layout, out_dtype=out_dtype, promote=promote)
+        return
+    assert supports(a, operand, b_layout) == ""
 
     # Poisoned output: every row must be written, routed rows with products, capacity rows with 0.
-    out = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
-    got = grouped_gemm(a, b, splits, out=out)
+    out = torch.full((M, N), float("nan"), device=dev, dtype=out_dtype)
+    got = grouped_gemm(a, operand, splits, out=out, b_layout=b_layout, out_dtype=out_dtype, promote=promote)
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr()
     assert not torch.isnan(got).any(), f"{int(torch.isnan(got).any(1).sum())} rows left unwritten"
     assert torch.equal(got[routed:], torch.zeros_like(got[routed:]))
 
     err = (got[:routed].double() - ref[:routed]).abs().max().item() if routed else 0.0
-    if sum(max(s, 0) for s in splits_list) <= M:
-        offs = splits.to(torch.int32).cumsum(0).to(torch.int32)
-        peer = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
-        torch_err = (peer[:routed].double() - ref[:routed]).abs().max().item() if routed else 0.0
-    else:  # _grouped_mm takes no offsets past M; its bf16 error is the final rounding, ≤ 2^-8 relative
-        torch_err = ref.abs().max().item() * 2.0**-8
-    # quack's idiom: within 2× the error of PyTorch's own bf16 computation against float64, plus one
-    # bf16 ulp of the largest value for the cases where both round identically (torch_err ~ 0).
-    assert err <= 2 * torch_err + ref.abs().max().item() * 2.0**-8, (err, torch_err)
+    scale = ref.abs().max().item()
+    if out_dtype == torch.float32:
+        # The fp32 accumulator itself: K ≤ 512 products of unit size summed in fp32 (2^-24 each).
+        assert err <= scale * 2.0**-16, (err, scale)
+    else:
+        if sum(max(s, 0) for s in splits_list) <= M:
+            offs = splits.to(torch.int32).cumsum(0).to(torch.int32)
+            peer = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+            torch_err = (peer[:routed].double() - ref[:routed]).abs().max().item() if routed else 0.0
+        else:  # _grouped_mm takes no offsets past M; its bf16 error is the final rounding, ≤ 2^-8 relative
+            torch_err = scale * 2.0**-8
+        # quack's idiom: within 2× the error of PyTorch's own bf16 computation against float64, plus
+        # one bf16 ulp of the largest value for the cases where both round identically (torch_err ~ 0).
+        assert err <= 2 * torch_err + scale * 2.0**-8, (err, torch_err)
 
-    again = grouped_gemm(a, b, splits)
+    again = grouped_gemm(a, operand, splits, b_layout=b_layout, out_dtype=out_dtype, promote=promote)
     torch.cuda.synchronize()
     assert torch.equal(again, got), "two runs on the same inputs differ"

@@ -4,6 +4,6 @@ C[R_e] = A[R_e] @ B[e]ᵀ for rows grouped by expert; ``is_available()`` says wh
 device can run it (``why_unavailable()`` says why not). Nothing here is wired into the MLP yet."""
 
 from ._compat import is_available, missing, why_unavailable
-from ._launch import grouped_gemm
+from ._launch import grouped_gemm, supports
 
-__all__ = ["grouped_gemm", "is_available", "missing", "why_unavailable"]
+__all__ = ["grouped_gemm", "supports", "is_available", "missing", "why_unavailable"]

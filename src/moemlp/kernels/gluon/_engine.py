@@ -114,7 +114,7 @@ def _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, BM: gl.constexpr, BN:
 @gluon.jit
 def _producer(a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr):
+              GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr):
     n_tiles = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, BM, E_BLOCK, 1)
@@ -122,20 +122,33 @@ def _producer(a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, emp
     it = 0
     for t in range(gl.program_id(0), real_tiles, gl.num_programs(0)):
         e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, BM, BN, GROUP_M)
-        b_row = e * N + n0
         for kk in range(k_steps):
             s = it % STAGES
             # A fresh mbarrier passes a wait on parity 1, so the first lap finds every stage empty.
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             expect_bytes(ready.index(s), stage_bytes)
             tma_load(a_desc, [m0, kk * BK], ready.index(s), a_ring.index(s))
-            tma_load(b_desc, [b_row, kk * BK], ready.index(s), b_ring.index(s))
+            if B_KMAJOR:  # B (E·N, K): the [BN, BK] block of expert e
+                tma_load(b_desc, [e * N + n0, kk * BK], ready.index(s), b_ring.index(s))
+            else:  # B (E·K, N): the [BK, BN] block; the launcher asks K % BK == 0 (no straddling)
+                tma_load(b_desc, [e * K + kk * BK, n0], ready.index(s), b_ring.index(s))
             it += 1
 
 
 @gluon.jit
+def _b_operand(b_ring, s, B_KMAJOR: gl.constexpr):
+    """Stage s of the B ring as wgmma's [BK, BN] operand: a K-major [BN, BK] block transposed in the
+    view, or an N-major [BK, BN] block as it is."""
+    if B_KMAJOR:
+        b = b_ring.index(s).permute((1, 0))
+    else:
+        b = b_ring.index(s)
+    return b
+
+
+@gluon.jit
 def _mainloop(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, STAGES: gl.constexpr):
+              BN: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr):
     """The K loop of one tile from ring position ``it``: async wgmma with one group in flight, each
     stage handed back to the producer as soon as the wgmma after it has been issued and the one
     reading it has finished. Returns the fp32 accumulator with every MMA still pending but the
@@ -144,12 +157,35 @@ def _mainloop(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexp
     for kk in range(k_steps):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        acc = warpgroup_mma(a_ring.index(s), b_ring.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a_ring.index(s), _b_operand(b_ring, s, B_KMAJOR), acc, is_async=True)
         # One wgmma group in flight: the one before it has read its stage, which goes back.
         acc = warpgroup_mma_wait(1, deps=(acc,))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kk > 0)
         it += 1
     return acc, it
+
+
+@gluon.jit
+def _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexpr, BM: gl.constexpr,
+                       BN: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr):
+    """The K loop with each BK-deep product promoted: every step's wgmma starts from zero and its
+    product is added to the fp32 total with a round-to-nearest add. Hopper's tensor cores add into
+    their accumulator with truncation, so one K-deep chain errs like K·2^-24 with a bias; promoted,
+    each chain is BK deep (docs/DECISIONS.md, "FC2_DGRAD promotes each 64-deep product"). One
+    product in flight: the total and the product are 2 × 64 registers at BM = 64; a second product
+    in flight (3 × 64) exceeds what ptxas allocates under the kernel's 168-register launch bound,
+    and it then serializes every wgmma. Returns (total, ring position) with every stage released."""
+    total = gl.zeros([BM, BN], gl.float32, acc_layout)
+    zero = gl.zeros([BM, BN], gl.float32, acc_layout)
+    for kk in range(k_steps):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        part = warpgroup_mma(a_ring.index(s), _b_operand(b_ring, s, B_KMAJOR), zero, is_async=True)
+        part = warpgroup_mma_wait(0, deps=(part,))
+        mbarrier.arrive(empty.index(s))
+        total += part
+        it += 1
+    return total, it
 
 
 @gluon.jit
@@ -186,7 +222,8 @@ def _store_zeros(c_desc, c_smem, m0, n0, acc_layout: gl.constexpr, BM: gl.conste
 @gluon.jit
 def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
               turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr):
+              STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr,
+              PROMOTE: gl.constexpr):
     n_tiles = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, BM, E_BLOCK, 4)
@@ -207,11 +244,17 @@ def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_r
             mbarrier.wait(turn.index(WG), (turns & 1) ^ (1 - WG))
             turns += 1
             # The ring position: real tiles precede capacity tiles, and each took k_steps stages.
-            acc, it = _mainloop(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM, BN, STAGES)
-            # Every stage of this tile has been waited on: the other warpgroup may start its mainloop.
-            mbarrier.arrive(turn.index(1 - WG))
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            if PROMOTE:
+                acc, it = _mainloop_promoted(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout,
+                                             BM, BN, STAGES, B_KMAJOR)
+                mbarrier.arrive(turn.index(1 - WG))
+            else:
+                acc, it = _mainloop(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM, BN, STAGES,
+                                    B_KMAJOR)
+                # Every stage of this tile has been waited on: the other warpgroup may start its mainloop.
+                mbarrier.arrive(turn.index(1 - WG))
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
             _store_tile(acc, c_desc, c_ptr, c_smem, m0, n0, row_end, M, N, BM, BN)
         else:
             cap = t - real_tiles
@@ -222,25 +265,25 @@ def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_r
 @gluon.jit
 def _consumer_wg1(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
                   turn, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                  GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr):
+                  GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, PROMOTE: gl.constexpr):
     _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty, turn,
-              1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK)
+              1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE)
 
 
 @gluon.jit
 def _consumer_wg0(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
                   turn, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                  GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr):
+                  GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, PROMOTE: gl.constexpr):
     _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty, turn,
-              0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK)
+              0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE)
 
 
 @gluon.jit
 def grouped_gemm_kernel(
     a_desc,  # (M, K) bf16, rows grouped by expert; block [BM, BK]
-    b_desc,  # (E·N, K) bf16: B (E, N, K) with experts stacked along rows; block [BN, BK]
-    c_desc,  # (M, N) bf16; block [BM, BN]
-    c_ptr,  # (M, N) bf16, the same tensor as c_desc, for the masked store of expert-boundary tiles
+    b_desc,  # B_KMAJOR: (E·N, K) bf16, B (E, N, K) stacked along rows, block [BN, BK]; else (E·K, N), block [BK, BN]
+    c_desc,  # (M, N) bf16 or fp32; block [BM, BN]
+    c_ptr,  # (M, N), the same tensor as c_desc, for the masked store of expert-boundary tiles
     splits_ptr,  # (E,) int32 or int64 rows per expert, on the device
     E,
     M,
@@ -252,9 +295,14 @@ def grouped_gemm_kernel(
     STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
     E_BLOCK: gl.constexpr,
+    B_KMAJOR: gl.constexpr,  # B (E, N, K) (True) or (E, K, N) (False)
+    PROMOTE: gl.constexpr,  # each BK-deep product added to the fp32 total by itself (BM = 64: registers)
 ):
     a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    if B_KMAJOR:
+        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    else:
+        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
     c_tiles = gl.allocate_shared_memory(c_desc.dtype, [2, BM, BN], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -267,9 +315,9 @@ def grouped_gemm_kernel(
 
     warp_specialize([
         (_consumer_wg0, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
-                         turn, BM, BN, BK, STAGES, GROUP_M, E_BLOCK)),
+                         turn, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE)),
         (_consumer_wg1, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
-                         turn, BM, BN, BK, STAGES, GROUP_M, E_BLOCK)),
+                         turn, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
-                     GROUP_M, E_BLOCK)),
+                     GROUP_M, E_BLOCK, B_KMAJOR)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -13,6 +13,9 @@ from ._compat import why_unavailable
 # epilogue tiles = 192 KiB of the 227 KiB an sm_90 CTA may use; a 5th stage would not fit.
 BM, BN, BK = 128, 128, 64
 STAGES = 4
+# An fp32 C doubles the two epilogue tiles to 128 KiB: 3 stages (96 KiB) keep the total at 224 KiB.
+STAGES_FP32_OUT = 3
+BM_PROMOTED = 64
 GROUP_M = 8
 # The expert table is held in registers by every partition, E_BLOCK / 32 values a lane per field
 # (starts, ends, tile ends): 256 experts keep that at 24 registers in the 40-register producer.
@@ -24,14 +27,19 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _check(a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: torch.Tensor | None) -> None:
+def _check(a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: torch.Tensor | None, b_layout: str,
+           out_dtype: torch.dtype) -> None:
     for name, t in (("a", a), ("b", b), ("splits", splits)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"grouped_gemm: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if b_layout not in ("nk", "kn"):
+        raise ValueError(f"grouped_gemm: b_layout must be 'nk' (B is (E, N, K)) or 'kn' (B is (E, K, N)), got {b_layout!r}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"grouped_gemm: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     if a.dim() != 2:
         raise ValueError(f"grouped_gemm: a must be (M, K), got shape {tuple(a.shape)}")
     if b.dim() != 3:
-        raise ValueError(f"grouped_gemm: b must be (E, N, K), got shape {tuple(b.shape)}")
+        raise ValueError(f"grouped_gemm: b must be (E, {'N, K' if b_layout == 'nk' else 'K, N'}), got shape {tuple(b.shape)}")
     if splits.dim() != 1:
         raise ValueError(f"grouped_gemm: splits must be (E,), got shape {tuple(splits.shape)}")
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
@@ -43,9 +51,9 @@ def _check(a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: torch.Te
             f"grouped_gemm: a, b and splits must be on one CUDA device, got {a.device}, {b.device}, {splits.device}"
         )
     M, K = a.shape
-    E, N, Kb = b.shape
+    E, N, Kb = b.shape if b_layout == "nk" else (b.shape[0], b.shape[2], b.shape[1])
     if Kb != K:
-        raise ValueError(f"grouped_gemm: b's last dimension must be a's K = {K}, got {Kb}")
+        raise ValueError(f"grouped_gemm: b's K dimension must be a's K = {K}, got {Kb} (b_layout {b_layout!r})")
     if splits.shape[0] != E:
         raise ValueError(f"grouped_gemm: splits must have one entry per expert (E = {E}), got {splits.shape[0]}")
     if E > MAX_EXPERTS:
@@ -53,6 +61,10 @@ def _check(a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: torch.Te
     # TMA: every row stride a multiple of 16 bytes, i.e. of 8 bf16 elements.
     if K % 8 or N % 8:
         raise ValueError(f"grouped_gemm: K and N must be multiples of 8 for TMA (16-byte rows), got K={K}, N={N}")
+    if b_layout == "kn" and E > 1 and K % BK:
+        # The experts are stacked along K: a K block that straddles two would read the next
+        # expert's rows (TMA zero-fills only at the tensor's edge).
+        raise ValueError(f"grouped_gemm: with b_layout 'kn' and several experts K must be a multiple of {BK}, got {K}")
     for name, t in (("a", a), ("b", b), ("splits", splits)):
         if not t.is_contiguous():
             raise ValueError(f"grouped_gemm: {name} must be contiguous (call .contiguous() first)")
@@ -60,24 +72,54 @@ def _check(a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: torch.Te
         if t.data_ptr() % 16:
             raise ValueError(f"grouped_gemm: {name} must start on a 16-byte boundary for TMA")
     if out is not None:
-        if out.shape != (M, N) or out.dtype != torch.bfloat16 or out.device != a.device:
+        if out.shape != (M, N) or out.dtype != out_dtype or out.device != a.device:
             raise ValueError(
-                f"grouped_gemm: out must be ({M}, {N}) bfloat16 on {a.device}, "
+                f"grouped_gemm: out must be ({M}, {N}) {out_dtype} on {a.device}, "
                 f"got {tuple(out.shape)} {out.dtype} on {out.device}"
             )
         if not out.is_contiguous() or out.data_ptr() % 16:
             raise ValueError("grouped_gemm: out must be contiguous and start on a 16-byte boundary")
 
 
+def supports(a: torch.Tensor, b: torch.Tensor, b_layout: str = "nk") -> str:
+    """Why the engine cannot take these operands ("" when it can): the shape rules of ``grouped_gemm``
+    that a caller with a fallback checks before choosing this path (no device read)."""
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        return "bf16 operands only"
+    E = b.shape[0]
+    K, N = (b.shape[2], b.shape[1]) if b_layout == "nk" else (b.shape[1], b.shape[2])
+    if E > MAX_EXPERTS:
+        return f"more than {MAX_EXPERTS} experts"
+    if K % 8 or N % 8:
+        return "K or N not a multiple of 8"
+    if b_layout == "kn" and E > 1 and K % BK:
+        return f"K not a multiple of {BK} with B as (E, K, N)"
+    if not (a.is_contiguous() and b.is_contiguous()) or a.data_ptr() % 16 or b.data_ptr() % 16:
+        return "operands not contiguous and 16-byte aligned"
+    return why_unavailable(a.device)
+
+
 def grouped_gemm(
-    a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: torch.Tensor | None = None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    splits: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    b_layout: str = "nk",
+    out_dtype: torch.dtype = torch.bfloat16,
+    promote: bool = False,
 ) -> torch.Tensor:
-    """C[R_e] = A[R_e] @ B[e]ᵀ for every expert e, R_e the rows between offsets[e-1] and offsets[e]
+    """C[R_e] = A[R_e] @ B_e for every expert e, R_e the rows between offsets[e-1] and offsets[e]
     (offsets = cumsum(splits), computed on the device). a (M, K) bf16 with rows grouped by expert;
-    b (E, N, K) bf16; splits (E,) int32/int64 on a's device. Returns C (M, N) bf16 (written into
-    ``out`` when given), fp32 accumulation, rounded once. Rows past Σsplits get 0. Splits are clamped
-    on the device (negative → 0 rows, a running sum past M stops at M), never read on the host."""
-    _check(a, b, splits, out)
+    b bf16 as (E, N, K) with B_e = b[e]ᵀ (``b_layout="nk"``: C = A @ W[e]ᵀ, the forward GEMMs) or as
+    (E, K, N) with B_e = b[e] (``"kn"``: C = A @ W[e], the dgrads, read in place); splits (E,)
+    int32/int64 on a's device. Returns C (M, N) in ``out_dtype`` (bf16, rounded once, or the fp32
+    accumulator itself), written into ``out`` when given. ``promote``: each 64-deep product is added
+    to the fp32 accumulator with a round-to-nearest add (error bounded by 64·2^-23 for any K, where
+    one tensor-core chain errs like K·2^-24), on 64-row tiles. Rows past Σsplits get 0. Splits are
+    clamped on the device (negative → 0 rows, a running sum past M stops at M), never read on the
+    host."""
+    _check(a, b, splits, out, b_layout, out_dtype)
     reason = why_unavailable(a.device)
     if reason:
         raise RuntimeError(f"grouped_gemm: the Gluon engine cannot run here: {reason}")
@@ -85,29 +127,36 @@ def grouped_gemm(
     from ._engine import MAXNREG, NUM_WARPS, grouped_gemm_kernel
 
     M, K = a.shape
-    E, N, _ = b.shape
+    kmajor = b_layout == "nk"
+    E, N = (b.shape[0], b.shape[1]) if kmajor else (b.shape[0], b.shape[2])
     if out is None:
-        out = torch.empty((M, N), dtype=torch.bfloat16, device=a.device)
+        out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
     if K == 0 or E == 0:
         return out.zero_()
-    a_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
-    b_layout = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
-    c_layout = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
-    a_desc = TensorDescriptor.from_tensor(a, [BM, BK], a_layout)
-    b_desc = TensorDescriptor.from_tensor(b.view(E * N, K), [BN, BK], b_layout)
-    c_desc = TensorDescriptor.from_tensor(out, [BM, BN], c_layout)
+    c_gl = gl.bfloat16 if out_dtype == torch.bfloat16 else gl.float32
+    # Promoted: the total and the product in flight are 2 × 64 registers at 64 rows (2 × 128 at 128
+    # would not fit). Ring 4 × 24 KiB + 2 fp32 C tiles × 32 KiB = 160 KiB.
+    bm = BM_PROMOTED if promote else BM
+    stages = STAGES if (out_dtype == torch.bfloat16 or promote) else STAGES_FP32_OUT
+    a_layout = gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16)
+    b_block = [BN, BK] if kmajor else [BK, BN]
+    b_layout_smem = gl.NVMMASharedLayout.get_default_for(b_block, gl.bfloat16)
+    c_layout = gl.NVMMASharedLayout.get_default_for([bm, BN], c_gl)
+    a_desc = TensorDescriptor.from_tensor(a, [bm, BK], a_layout)
+    b_desc = TensorDescriptor.from_tensor(b.view(E * b.shape[1], b.shape[2]), b_block, b_layout_smem)
+    c_desc = TensorDescriptor.from_tensor(out, [bm, BN], c_layout)
     e_block = max(32, 1 << (E - 1).bit_length())
     # Static bound on the tile count (M rows over E experts make at most cdiv(M, BM) + E m-tiles,
     # capacity included), so the grid needs no device read.
-    tile_bound = (-(-M // BM) + E) * -(-N // BN)
+    tile_bound = (-(-M // bm) + E) * -(-N // BN)
     device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     grid = (min(_num_sms(device_index), tile_bound),)
     with torch.cuda.device(a.device):
         grouped_gemm_kernel[grid](
             a_desc, b_desc, c_desc, out, splits, E, M, N, K,
-            BM=BM, BN=BN, BK=BK, STAGES=STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block,
-            num_warps=NUM_WARPS, maxnreg=MAXNREG,
+            BM=bm, BN=BN, BK=BK, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor,
+            PROMOTE=promote, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )
     return out
