@@ -328,7 +328,8 @@ def wgrad(
     # the recipe's operands first (quantized along the rows), then the launches
     native = is_native(recipe)
     db = torch.empty_like(bias) if bias is not None else None
-    dw = None if x is None or native else _empty_dw(g, x, splits, dw_dtype)
+    cutlass = recipe is None and x is not None and _cutlass_wgrad_ok(g, x, dw_dtype)
+    dw = None if x is None or native or cutlass else _empty_dw(g, x, splits, dw_dtype)
     g_op = x_op = None
     if recipe is not None and x is not None:
         rows = (blocks or WgradBlocks(splits, g.shape[0], recipe)).get()
@@ -344,7 +345,13 @@ def wgrad(
             )
     config = launch.default_config("wgrad", 0, 0, False, dtype.itemsize)
     if recipe is None:
-        if dw is not None or db is not None:
+        if cutlass:
+            dw = _cutlass_wgrad(g, x, splits)
+            if db is not None:
+                launch.launch_grouped_wgrad(
+                    g=g, x=None, splits=splits, dw=None, db=db, config=config, probs=probs, scale_b=scale_bias
+                )
+        elif dw is not None or db is not None:
             launch.launch_grouped_wgrad(
                 g=g, x=x, splits=splits, dw=dw, db=db, config=config, probs=probs, scale_b=scale_bias
             )
@@ -368,3 +375,30 @@ def wgrad(
 
 def _empty_dw(g: Tensor, x: Tensor, splits: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.empty((splits.shape[0], g.shape[1], x.shape[1]), dtype=dtype, device=g.device)
+
+
+def _cutlass_wgrad_ok(g: Tensor, x: Tensor, dw_dtype: torch.dtype) -> bool:
+    """Whether the bf16 weight gradient runs on ``torch._grouped_mm`` (CUTLASS's warp-specialized
+    varlen-K grouped GEMM): bf16 operands and dW on an sm_90+ GPU, outside the interpreter. It beat
+    the Triton wgrad kernel by 28-55 % where experts have 128-256 rows and by 8 % at 1024
+    (docs/DECISIONS.md, "bf16 weight gradients on torch._grouped_mm"); an fp32 dW (main_grad) and the
+    recipes' operands stay on the Triton kernels."""
+    return (
+        not launch.INTERPRET
+        and hasattr(torch, "_grouped_mm")
+        and g.is_cuda
+        and g.dtype == x.dtype == dw_dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(g.device)[0] >= 9
+        and g.shape[1] % 8 == 0
+        and x.shape[1] % 8 == 0
+    )
+
+
+def _cutlass_wgrad(g: Tensor, x: Tensor, splits: Tensor) -> Tensor:
+    """dW (E, P, Q), dW[e] = g[R_e]ᵀ @ x[R_e]: one fp32-accumulated, once-rounded product per expert, no split-K
+    (the same bits on every run); an expert with no rows gets exact zeros. The offsets are the
+    kernels' clamped ones, computed on the device: negative splits count 0 rows and the running sum
+    stops at M, so bad splits cannot make the GEMM read past g or x."""
+    M = g.shape[0]
+    offs = torch.cumsum(splits.clamp(min=0), 0).clamp(max=M).to(torch.int32)
+    return torch._grouped_mm(g.t(), x, offs=offs)
