@@ -380,7 +380,7 @@ def _empty_dw(g: Tensor, x: Tensor, splits: Tensor, dtype: torch.dtype) -> Tenso
 def _cutlass_wgrad_ok(g: Tensor, x: Tensor, dw_dtype: torch.dtype) -> bool:
     """Whether the bf16 weight gradient runs on ``torch._grouped_mm`` (CUTLASS's warp-specialized
     varlen-K grouped GEMM): bf16 operands and dW on an sm_90+ GPU, outside the interpreter. It beat
-    the Triton wgrad kernel by 28-55 % where experts have 128-256 rows and by 8 % at 1024
+    the Triton wgrad kernel by 28-48 % where experts have 128-256 rows and by 8-11 % at 1024
     (docs/DECISIONS.md, "bf16 weight gradients on torch._grouped_mm"); an fp32 dW (main_grad) and the
     recipes' operands stay on the Triton kernels."""
     return (
