@@ -23,6 +23,14 @@ Shares are of the phases' sum; the whole layer is timed too (its time is the hea
 every phase: the sum of x's gradients from the router, the experts and the shared expert, and the
 add of the shared expert's y.
 
+The lean torch layer (one device): ``bench/peers.py``'s ``LeanMoE``, the MoE layer as users write
+it around the bench's lean ``_grouped_mm`` composition (moemlp's own Router, copied; stable argsort;
+index_select permute; ``_grouped_mm`` -> silu(gate)·up·probs in bf16 -> ``_grouped_mm``; unpermute by
+the inverse permutation and a sum over k; with shared experts the same composition on every token),
+on copies of the layer's router and weights, timed forward + backward in the same run. Before timing,
+its y is checked against the layer's (``lean_max_err`` = max|Δy| / max|y|, a RuntimeError past
+``LEAN_TOLERANCE``). ``speedup`` = lean_layer_ms / layer_ms.
+
 The all-to-all, with EP: one row exchange of the layer (``ep.all_to_all`` on the rows this rank
 sends, with the layer's own uneven splits), timed alone; a forward + backward runs four of them
 (dispatch, combine and their adjoints; the fp32 probs beside the rows add 2/H of that). Bytes are
@@ -62,6 +70,7 @@ from ..moe import MoE
 from ..moe.dispatch import permute_probs, plan_dispatch, row_index, unpermute, use_triton
 from ..moe.ep import all_to_all, ep_combine, ep_dispatch
 from .common import device_description, print_table, write_csv
+from .peers import LeanMoE
 
 __all__ = ["run_moe_bench", "MoEShape", "ep_sizes", "DEFAULT_EP"]
 
@@ -220,6 +229,15 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
            "E_local": shape.local_experts, "top_k": shape.top_k, "tokens_per_rank": shape.tokens,
            "expert_rows": expert_rows}
     times = {"layer": _time_ms(full, device, iters, warmup, group)}
+    if group is None:  # the lean torch layer, on a copy of the same router and weights
+        lean = LeanMoE.from_moe(moe)
+        row["lean_max_err"] = _check_lean(moe, lean, x)
+        lean_params = [x, *(p for p in lean.parameters() if p.requires_grad)]
+
+        def lean_full():
+            torch.autograd.grad(lean(x), lean_params, dy)
+
+        times["lean_layer"] = _time_ms(lean_full, device, iters, warmup)
     phase_fns = [("dispatch", dispatch_phase), ("experts", experts_phase), ("combine", combine_phase)]
     if shared_params:
         phase_fns.append(("shared", shared_phase))
@@ -234,6 +252,9 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
         times.update(zip(names, t.tolist()))
 
     row["layer_ms"] = times["layer"]
+    if group is None:
+        row["lean_layer_ms"] = times["lean_layer"]
+        row["speedup"] = times["lean_layer"] / times["layer"]
     row["tokens_per_s"] = shape.tokens / row["layer_ms"] * 1e3  # per rank
     row["tflops"] = shape.flops_per_rank() / row["layer_ms"] / 1e9  # per rank
     phases = {name: times[name] for name, _ in phase_fns}
@@ -265,6 +286,25 @@ def _check_local_phases(moe, x, plan, p_rows, x_index, triton: bool) -> None:
         if not torch.equal(y, moe(x)):
             raise RuntimeError("bench --moe: the one-device phases no longer compose to MoE's forward; "
                                "the phase split must follow moemlp.moe.layer / dispatch.local_moe_forward")
+
+
+# The lean layer rounds silu·up and its product with bf16 probs to bf16, two roundings moemlp's fp32
+# epilogue does not make; each bf16 rounding after them (y_rows, the k-sum, + shared) can then land an
+# ulp away from moemlp's, 2^-8 to 2^-7 of the value. Measured 0.005 to 0.010 of max|y| (one ulp) at
+# H 7168, F 2048; 2^-4 leaves room for a few ulps and still fails another function (a wrong routing,
+# probability or weight is O(1)).
+LEAN_TOLERANCE = 2.0**-4
+
+
+def _check_lean(moe, lean, x) -> float:
+    """max|y_lean − y| / max|y| on the same input; RuntimeError past LEAN_TOLERANCE."""
+    with torch.no_grad():
+        y, y_lean = moe(x).double(), lean(x).double()
+    err = float((y_lean - y).abs().max() / y.abs().max())
+    if not err <= LEAN_TOLERANCE:  # NaN fails too
+        raise RuntimeError(f"bench --moe: the lean torch layer's y differs from MoE's by {err:.3g} of max|y| "
+                           f"(tolerance {LEAN_TOLERANCE:.3g}): the peer no longer computes the same function")
+    return err
 
 
 def _measure_all_to_all(state, hidden: int, dtype, device, group, iters: int, warmup: int) -> dict:
@@ -436,9 +476,11 @@ def run_moe_bench(args) -> list[dict]:
                               "dist_busbw_GBps", "a2a_pct"],
                     "One row all-to-all of the layer (4 per forward + backward) beside torch.distributed's "
                     "all_to_all_single at the same size")
-    print_table(rows, ["shape", "ep", "E", "tokens_per_rank", "layer_ms", "tokens_per_s", "tflops",
-                       "dispatch_pct", "experts_pct", "combine_pct", "shared_pct"],
-                "MoE layer forward + backward, per rank, slowest rank (bf16, fp32 router and probs)")
+    print_table(rows, ["shape", "ep", "E", "tokens_per_rank", "layer_ms", "lean_layer_ms", "speedup", "tflops",
+                       "dispatch_pct", "experts_pct", "combine_pct", "shared_pct", "lean_max_err"],
+                "MoE layer forward + backward, per rank, slowest rank (bf16, fp32 router and probs); "
+                "lean_layer: the torch layer users write (bench/peers.py LeanMoE), one device; "
+                "speedup = lean_layer_ms / layer_ms")
     return rows
 
 
