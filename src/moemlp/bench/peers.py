@@ -180,7 +180,8 @@ class LeanMoE(nn.Module):
         num_experts = self.fc1_weight.shape[0]
         flat = expert_idx.reshape(-1)
         perm = torch.argsort(flat, stable=True)
-        splits = torch.histc(flat.float(), bins=num_experts, min=0, max=num_experts - 1).to(torch.int64)
+        # bins [e, e + 1): exact for integer experts; counts exact in fp32 below 2^24 rows
+        splits = torch.histc(flat.float(), bins=num_experts, min=0, max=num_experts).to(torch.int64)
         rows = tokens.index_select(0, perm // top_k)
         y_rows = lean_composition(rows, splits, probs.reshape(-1).index_select(0, perm), self.fc1_weight,
                                   self.fc2_weight)
