@@ -231,7 +231,7 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
     times = {"layer": _time_ms(full, device, iters, warmup, group)}
     if group is None:  # the lean torch layer, on a copy of the same router and weights
         lean = LeanMoE.from_moe(moe)
-        row["lean_max_err"] = _check_lean(moe, lean, x)
+        lean_max_err = _check_lean(moe, lean, x)
         lean_params = [x, *(p for p in lean.parameters() if p.requires_grad)]
 
         def lean_full():
@@ -255,6 +255,7 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
     if group is None:
         row["lean_layer_ms"] = times["lean_layer"]
         row["speedup"] = times["lean_layer"] / times["layer"]
+        row["lean_max_err"] = lean_max_err
     row["tokens_per_s"] = shape.tokens / row["layer_ms"] * 1e3  # per rank
     row["tflops"] = shape.flops_per_rank() / row["layer_ms"] / 1e9  # per rank
     phases = {name: times[name] for name, _ in phase_fns}
