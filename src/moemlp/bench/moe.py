@@ -3,11 +3,33 @@ rank at a fixed number of tokens and local experts per rank (weak scaling), on o
 expert-parallel over each requested world size (spawned processes, no torchrun: NCCL on GPUs, gloo
 on the CPU), and the share of time in each phase.
 
-Phases, each timed on its own, forward + backward, on the inputs the layer itself produces:
-  dispatch   router, sort, permute (+ counts exchange, all-to-all, regroup with EP)
-  experts    grouped_mlp on this rank's rows
-  combine    (regroup back, all-to-all with EP,) k-ordered unpermute
-Shares are of the phases' sum; the whole layer is timed too (its time is the headline).
+Phases, each timed on its own, forward + backward, on the inputs the layer itself produces.
+On one device (ep 1) they are the calls of ``MoE._forward`` -> ``dispatch.local_moe_forward``, whose
+experts gather their rows from the tokens (grouped_mlp's ``x_index``): no permuted copy of x exists,
+and the bench checks once that the phases run in a row give the layer's y bit for bit.
+  dispatch   router (fp32 logits, scores, top-k, aux loss), plan_dispatch (stable sort by expert,
+             splits, src_token, row_of), permute_probs, row_index; backward: the probs' gather
+             back and the router's, dx and dW of its fp32 GEMM included
+  experts    moe.experts(x, splits, probs_rows, x_index): the gather of x's rows inside grouped_mlp,
+             FC1, activation · probs, FC2; backward: the grouped MLP's and dx summed per token in
+             k order from the gathered rows' gradient
+  combine    unpermute: y[t] = Σ_k y_rows[row_of[t, k]], fp32 in k order; backward: a gather
+  shared     (with shared experts) the shared expert's grouped_mlp on every token
+Expert-parallel (ep > 1) rows permute instead, their rows leave the rank:
+  dispatch   router, sort, permute, counts exchange, all-to-all, regroup by local expert
+  experts    grouped_mlp on this rank's received rows
+  combine    regroup back, all-to-all, k-ordered unpermute
+Shares are of the phases' sum; the whole layer is timed too (its time is the headline). Outside
+every phase: the sum of x's gradients from the router, the experts and the shared expert, and the
+add of the shared expert's y.
+
+The lean torch layer (one device): ``bench/peers.py``'s ``LeanMoE``, the MoE layer as users write
+it around the bench's lean ``_grouped_mm`` composition (moemlp's own Router, copied; stable argsort;
+index_select permute; ``_grouped_mm`` -> silu(gate)·up·probs in bf16 -> ``_grouped_mm``; unpermute by
+the inverse permutation and a sum over k; with shared experts the same composition on every token),
+on copies of the layer's router and weights, timed forward + backward in the same run. Before timing,
+its y is checked against the layer's (``lean_max_err`` = max|Δy| / max|y|, a RuntimeError past
+``LEAN_TOLERANCE``). ``speedup`` = lean_layer_ms / layer_ms.
 
 The all-to-all, with EP: one row exchange of the layer (``ep.all_to_all`` on the rows this rank
 sends, with the layer's own uneven splits), timed alone; a forward + backward runs four of them
@@ -45,9 +67,10 @@ import torch
 import torch.distributed as dist
 
 from ..moe import MoE
-from ..moe.dispatch import local_combine, local_dispatch, use_triton
+from ..moe.dispatch import permute_probs, plan_dispatch, row_index, unpermute, use_triton
 from ..moe.ep import all_to_all, ep_combine, ep_dispatch
 from .common import device_description, print_table, write_csv
+from .peers import LeanMoE
 
 __all__ = ["run_moe_bench", "MoEShape", "ep_sizes", "DEFAULT_EP"]
 
@@ -144,22 +167,29 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
     shared_params = list(moe.shared_experts.parameters()) if moe.shared_experts is not None else []
     triton = use_triton(backend, device)
 
-    def dispatch():
-        probs, idx = moe.router(x)
-        if group is None:
-            return local_dispatch(x, probs, idx, shape.experts, triton)
-        return ep_dispatch(x, probs, idx, shape.experts, group, triton)
+    if group is None:
+        # One device: the calls of MoE._forward -> local_moe_forward (no capacity: plan_dispatch),
+        # the experts gathering their rows from x through x_index; no permuted copy of x is made.
+        def route():
+            probs, idx = moe.router(x)
+            plan = plan_dispatch(idx, shape.experts)
+            return plan, permute_probs(probs, plan), row_index(plan)
 
-    def combine(y_rows, state):
-        return local_combine(y_rows, state) if group is None else ep_combine(y_rows, state)
+        plan, p_rows, x_index = route()
+        splits = plan.splits
+        num_rows = x_index.index.shape[0]
+        _check_local_phases(moe, x, plan, p_rows, x_index, triton)
+    else:
+        def dispatch():
+            probs, idx = moe.router(x)
+            return ep_dispatch(x, probs, idx, shape.experts, group, triton)
 
-    # The rows this rank's experts see (the routing is the same every iteration).
-    x_rows, splits, p_rows, state = dispatch()
-    g_rows = randn(*x_rows.shape)
+        x_rows, splits, p_rows, state = dispatch()
+        num_rows = x_rows.shape[0]
+    g_rows = randn(num_rows, shape.hidden)
     g_probs = randn(*p_rows.shape, dtype=torch.float32)
-    x_rows_leaf = x_rows.detach().requires_grad_()
     p_rows_leaf = p_rows.detach().requires_grad_()
-    y_rows_leaf = randn(*x_rows.shape).requires_grad_()
+    y_rows_leaf = randn(num_rows, shape.hidden).requires_grad_()
     expert_rows = int(splits.sum())
 
     def full():
@@ -168,21 +198,46 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
     def shared_phase():  # the shared experts on every token, as the layer runs them
         torch.autograd.grad(moe._shared_forward(x, None), [x, *shared_params], dy)
 
-    def dispatch_phase():
-        xr, _, pr, _ = dispatch()
-        torch.autograd.grad([xr, pr], [x, router_w], [g_rows, g_probs])
+    if group is None:
+        x_leaf = x.detach().requires_grad_()
 
-    def experts_phase():
-        y = moe.experts(x_rows_leaf, splits, p_rows_leaf)
-        torch.autograd.grad(y, [x_rows_leaf, p_rows_leaf, w1, w2], g_rows)
+        def dispatch_phase():  # router, sort, index building; its backward: dprobs into the router
+            _, pr, _ = route()
+            torch.autograd.grad(pr, [x, router_w], g_probs)
 
-    def combine_phase():
-        torch.autograd.grad(combine(y_rows_leaf, state), [y_rows_leaf], dy)
+        def experts_phase():  # grouped_mlp with x_index: the gather of x, and its segment sum in dx
+            y = moe.experts(x_leaf, splits, p_rows_leaf, x_index=x_index)
+            torch.autograd.grad(y, [x_leaf, p_rows_leaf, w1, w2], g_rows)
+
+        def combine_phase():
+            torch.autograd.grad(unpermute(y_rows_leaf, plan, triton), [y_rows_leaf], dy)
+    else:
+        x_rows_leaf = x_rows.detach().requires_grad_()
+
+        def dispatch_phase():
+            xr, _, pr, _ = dispatch()
+            torch.autograd.grad([xr, pr], [x, router_w], [g_rows, g_probs])
+
+        def experts_phase():
+            y = moe.experts(x_rows_leaf, splits, p_rows_leaf)
+            torch.autograd.grad(y, [x_rows_leaf, p_rows_leaf, w1, w2], g_rows)
+
+        def combine_phase():
+            torch.autograd.grad(ep_combine(y_rows_leaf, state), [y_rows_leaf], dy)
 
     row = {"shape": shape.name, "ep": shape.ep, "H": shape.hidden, "F": shape.ffn, "E": shape.experts,
            "E_local": shape.local_experts, "top_k": shape.top_k, "tokens_per_rank": shape.tokens,
            "expert_rows": expert_rows}
     times = {"layer": _time_ms(full, device, iters, warmup, group)}
+    if group is None:  # the lean torch layer, on a copy of the same router and weights
+        lean = LeanMoE.from_moe(moe)
+        lean_max_err = _check_lean(moe, lean, x)
+        lean_params = [x, *(p for p in lean.parameters() if p.requires_grad)]
+
+        def lean_full():
+            torch.autograd.grad(lean(x), lean_params, dy)
+
+        times["lean_layer"] = _time_ms(lean_full, device, iters, warmup)
     phase_fns = [("dispatch", dispatch_phase), ("experts", experts_phase), ("combine", combine_phase)]
     if shared_params:
         phase_fns.append(("shared", shared_phase))
@@ -190,7 +245,6 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
         times[name] = _time_ms(fn, device, iters, warmup, group)
     if group is not None:
         times.update(_measure_all_to_all(state, x_rows.shape[1], dtype, device, group, iters, warmup))
-    del moe, x, dy, x_rows, p_rows, state, x_rows_leaf, p_rows_leaf, y_rows_leaf, g_rows, g_probs
     if group is not None:  # the slowest rank's median of each
         names = sorted(k for k in times if not k.endswith("_bytes"))
         t = torch.tensor([times[k] for k in names], dtype=torch.float64, device=device)
@@ -198,6 +252,10 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
         times.update(zip(names, t.tolist()))
 
     row["layer_ms"] = times["layer"]
+    if group is None:
+        row["lean_layer_ms"] = times["lean_layer"]
+        row["speedup"] = times["lean_layer"] / times["layer"]
+        row["lean_max_err"] = lean_max_err
     row["tokens_per_s"] = shape.tokens / row["layer_ms"] * 1e3  # per rank
     row["tflops"] = shape.flops_per_rank() / row["layer_ms"] / 1e9  # per rank
     phases = {name: times[name] for name, _ in phase_fns}
@@ -217,6 +275,37 @@ def measure(shape: MoEShape, device: torch.device, backend: str, group, iters: i
         row["dist_busbw_GBps"] = times["dist_a2a_bytes"] / times["dist_a2a"] / 1e6 * (W - 1) / W
         row["a2a_pct"] = 100.0 * 4 * times["a2a"] / row["layer_ms"]
     return row
+
+
+def _check_local_phases(moe, x, plan, p_rows, x_index, triton: bool) -> None:
+    """The one-device phases, run in a row, give the layer's output bit for bit: the split times the
+    calls the layer makes."""
+    with torch.no_grad():
+        y = unpermute(moe.experts(x, plan.splits, p_rows, x_index=x_index), plan, triton)
+        if moe.shared_experts is not None:
+            y = y + moe._shared_forward(x, None)
+        if not torch.equal(y, moe(x)):
+            raise RuntimeError("bench --moe: the one-device phases no longer compose to MoE's forward; "
+                               "the phase split must follow moemlp.moe.layer / dispatch.local_moe_forward")
+
+
+# The lean layer rounds silu·up and its product with bf16 probs to bf16, two roundings moemlp's fp32
+# epilogue does not make; each bf16 rounding after them (y_rows, the k-sum, + shared) can then land an
+# ulp away from moemlp's, 2^-8 to 2^-7 of the value. Measured 0.005 to 0.010 of max|y| (one ulp) at
+# H 7168, F 2048; 2^-4 leaves room for a few ulps and still fails another function (a wrong routing,
+# probability or weight is O(1)).
+LEAN_TOLERANCE = 2.0**-4
+
+
+def _check_lean(moe, lean, x) -> float:
+    """max|y_lean − y| / max|y| on the same input; RuntimeError past LEAN_TOLERANCE."""
+    with torch.no_grad():
+        y, y_lean = moe(x).double(), lean(x).double()
+    err = float((y_lean - y).abs().max() / y.abs().max())
+    if not err <= LEAN_TOLERANCE:  # NaN fails too
+        raise RuntimeError(f"bench --moe: the lean torch layer's y differs from MoE's by {err:.3g} of max|y| "
+                           f"(tolerance {LEAN_TOLERANCE:.3g}): the peer no longer computes the same function")
+    return err
 
 
 def _measure_all_to_all(state, hidden: int, dtype, device, group, iters: int, warmup: int) -> dict:
@@ -376,21 +465,23 @@ def run_moe_bench(args) -> list[dict]:
         return rows
     columns = list(dict.fromkeys(k for r in rows for k in r))  # EP rows add the all-to-all columns
     rows = [{k: r.get(k, "") for k in columns} for r in rows]
-    print_table(rows, ["shape", "ep", "E", "E_local", "tokens_per_rank", "layer_ms", "tokens_per_s", "tflops",
-                       "dispatch_pct", "experts_pct", "combine_pct", "shared_pct"],
-                "MoE layer forward + backward, per rank, slowest rank (bf16, fp32 router and probs)")
-    ep_rows = [r for r in rows if r["ep"] > 1]
-    if ep_rows:
-        print_table(ep_rows, ["shape", "ep", "backend", "a2a_MB", "a2a_ms", "a2a_busbw_GBps", "dist_a2a_ms",
-                              "dist_busbw_GBps", "a2a_pct"],
-                    "One row all-to-all of the layer (4 per forward + backward) beside torch.distributed's "
-                    "all_to_all_single at the same size")
     csv_path = os.path.join(out, "moe_bench.csv")
     write_csv(csv_path, rows)
     print(f"wrote {csv_path}")
     png = os.path.join(out, "moe_bench.png")
     if _plot(rows, png):
         print(f"wrote {png}")
+    ep_rows = [r for r in rows if r["ep"] > 1]
+    if ep_rows:
+        print_table(ep_rows, ["shape", "ep", "backend", "a2a_MB", "a2a_ms", "a2a_busbw_GBps", "dist_a2a_ms",
+                              "dist_busbw_GBps", "a2a_pct"],
+                    "One row all-to-all of the layer (4 per forward + backward) beside torch.distributed's "
+                    "all_to_all_single at the same size")
+    print_table(rows, ["shape", "ep", "E", "tokens_per_rank", "layer_ms", "lean_layer_ms", "speedup", "tflops",
+                       "dispatch_pct", "experts_pct", "combine_pct", "shared_pct", "lean_max_err"],
+                "MoE layer forward + backward, per rank, slowest rank (bf16, fp32 router and probs); "
+                "lean_layer: the torch layer users write (bench/peers.py LeanMoE), one device; "
+                "speedup = lean_layer_ms / layer_ms")
     return rows
 
 

@@ -7,14 +7,18 @@
   in the compute dtype, probs rounded to it, any activation, biases; dprobs comes back through the
   compute dtype and is cast to probs.dtype at the end. The reference composition of the tests and of
   ``precision``.
+- ``LeanMoE``: the whole MoE layer as users write it around ``lean_composition``: moemlp's own Router
+  (so the routing is the same function), a stable argsort permute, the composition, unpermute and a
+  sum over k. ``bench --moe``'s peer.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..activations import resolve_activation
 from ..reference import _split_glu
@@ -110,3 +114,79 @@ def lean_composition(x: Tensor, splits: Tensor, probs: Optional[Tensor], fc1_wei
     if probs is not None:
         z = z * probs.to(x.dtype)[:, None]
     return mm(z, fc2_weight)
+
+
+class LeanMoE(nn.Module):
+    """The MoE layer as users write it in torch (transformers' "grouped_mm" experts, torchtitan)::
+
+        probs, expert_idx = router(tokens)                 moemlp's Router: the same fp32 routing
+        perm   = argsort(expert_idx.flatten(), stable)     slot t·k + j of each expert-sorted row
+        splits = histc(expert_idx, E bins)                 no host sync (bincount on CUDA has one)
+        y_rows = lean_composition(tokens[perm // k], splits, probs.flatten()[perm], W1, W2)
+        y      = y_rows[argsort(perm)].view(T, k, H).sum(1)          probs already applied (bf16)
+        y     += lean_composition(tokens, [T], None, shared W1, W2)  with a shared expert
+
+    Gathers are index_select (their backward an index_add). The sum over k reads bf16 rows and
+    accumulates in fp32 (torch's reduction), one rounding. ``from_moe`` copies a moemlp ``MoE``'s
+    router and weights, so both layers compute the same function up to lean_composition's bf16
+    roundings of silu · up and of probs."""
+
+    def __init__(self, router: nn.Module, fc1_weight: Tensor, fc2_weight: Tensor,
+                 shared_fc1_weight: Optional[Tensor] = None, shared_fc2_weight: Optional[Tensor] = None):
+        super().__init__()
+        self.router = router
+        self.fc1_weight = nn.Parameter(fc1_weight)  # (E, 2F, H)
+        self.fc2_weight = nn.Parameter(fc2_weight)  # (E, H, F)
+        if (shared_fc1_weight is None) != (shared_fc2_weight is None):
+            raise ValueError("shared_fc1_weight, shared_fc2_weight: give both or neither")
+        self.shared_fc1_weight = None if shared_fc1_weight is None else nn.Parameter(shared_fc1_weight)  # (1, 2Fs, H)
+        self.shared_fc2_weight = None if shared_fc2_weight is None else nn.Parameter(shared_fc2_weight)  # (1, H, Fs)
+
+    @classmethod
+    def from_moe(cls, moe) -> "LeanMoE":
+        """A copy of a one-device swiglu ``moemlp.MoE`` without biases, capacity or a shared-expert
+        gate (what bench --moe builds): its router (deep-copied: same weights, buffers and options)
+        and its expert weights, cloned."""
+        experts, shared = moe.experts, moe.shared_experts
+        unsupported = [
+            name for name, bad in (
+                ("ep_group", moe.ep_group is not None),
+                ("activation", experts.activation != "swiglu"),
+                ("glu_interleave", experts.glu_interleave is not None),
+                ("biases", experts.fc1_bias is not None),
+                ("recipe", experts.recipe is not None),
+                ("capacity_factor", moe.capacity_factor is not None),
+                ("shared_expert_gate", moe.shared_expert_gate is not None),
+            ) if bad
+        ]
+        if unsupported:
+            raise ValueError(f"moe: LeanMoE copies a plain swiglu layer on one device; this one has {unsupported}")
+
+        def clone(t):
+            return t.detach().clone()
+
+        return cls(
+            copy.deepcopy(moe.router),
+            clone(experts.fc1_weight),
+            clone(experts.fc2_weight),
+            clone(shared.fc1_weight) if shared is not None else None,
+            clone(shared.fc2_weight) if shared is not None else None,
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs, expert_idx = self.router(tokens)  # (T, k) fp32, (T, k) int64
+        num_tokens, top_k = expert_idx.shape
+        num_experts = self.fc1_weight.shape[0]
+        flat = expert_idx.reshape(-1)
+        perm = torch.argsort(flat, stable=True)
+        # bins [e, e + 1): exact for integer experts; counts exact in fp32 below 2^24 rows
+        splits = torch.histc(flat.float(), bins=num_experts, min=0, max=num_experts).to(torch.int64)
+        rows = tokens.index_select(0, perm // top_k)
+        y_rows = lean_composition(rows, splits, probs.reshape(-1).index_select(0, perm), self.fc1_weight,
+                                  self.fc2_weight)
+        y = y_rows.index_select(0, torch.argsort(perm)).view(num_tokens, top_k, -1).sum(1)
+        if self.shared_fc1_weight is not None:
+            everyone = torch.full((1,), num_tokens, dtype=torch.int64, device=tokens.device)
+            y = y + lean_composition(tokens, everyone, None, self.shared_fc1_weight, self.shared_fc2_weight)
+        return y.view(x.shape)
