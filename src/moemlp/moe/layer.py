@@ -378,11 +378,11 @@ class _ForkTokens(torch.autograd.Function):
     Left to autograd, the gradients of one tensor with several consumers are added in the order the
     engine runs the consumers' backward, which follows the order the forward created them in. With the
     shared experts issued before the routed ones (the side stream) that order changes, and in bf16
-    (a + b) + c is not a + (b + c): with the shared-expert gate (four contributions) the side-stream
-    layer's dx differed from the one-stream layer's in about 30% of its elements. Here it is
-    (shared + routed) + router in both, the order the one-stream layer had (shared experts last in the
-    forward, so first in the backward). Inside the shared alias the experts' and the gate's
-    contributions are two terms, whose sum does not depend on order.
+    (a + b) + c is not a + (b + c): on one CPU stream, merely issuing the shared experts first changed
+    30% of a bf16 layer's dx elements. Here the sum is (shared + routed) + router whatever the issue
+    order, the order autograd took with the shared experts issued last (it runs the last-created
+    backward first), so the one-stream layer keeps its bits. Inside the shared alias there are at most
+    two terms (the experts' and the gate's), whose sum does not depend on their order.
 
     With a side stream: forward makes it wait for the layer input and keeps the input's memory from
     being reused before the side stream's reads (forward and backward) are done; backward runs on the
