@@ -277,6 +277,7 @@ def test_shared_gate_probs_stay_fp32_in_a_bf16_layer():
         (dict(shared_expert_gate=True), ValueError, "num_shared_experts: .*need"),
         (dict(num_shared_experts=1, shared_expert_ffn_hidden_size=0), ValueError, "shared_expert_ffn_hidden_size"),
         (dict(num_shared_experts=1, shared_expert_gate=1), TypeError, "shared_expert_gate"),
+        (dict(num_shared_experts=1, shared_expert_overlap=1), TypeError, "shared_expert_overlap"),
         (dict(capacity_factor=0.0), ValueError, "capacity_factor"),
         (dict(capacity_factor=float("inf")), ValueError, "capacity_factor"),
         (dict(capacity_factor="1"), TypeError, "capacity_factor"),
@@ -286,7 +287,7 @@ def test_shared_gate_probs_stay_fp32_in_a_bf16_layer():
     ],
     ids=["groups-half", "groups-not-dividing", "group-of-one", "topk-groups>groups", "k>reachable",
          "groups-float", "scaling-0", "scaling-str", "shared-neg", "shared-bool", "gate-without-shared",
-         "shared-F-0", "gate-int", "capacity-0", "capacity-inf", "capacity-str", "policy", "pad-alone",
+         "shared-F-0", "gate-int", "overlap-int", "capacity-0", "capacity-inf", "capacity-str", "policy", "pad-alone",
          "pad-int"],
 )
 def test_new_arguments_are_checked_at_construction(kwargs, exc, match):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Optional
@@ -38,7 +39,8 @@ class MoE(nn.Module):
                                                 inside the expert block, in fp32
         y[t] = Σ_k y_rows[row of (t, k)]        fixed k order, fp32 accumulation, no atomics
 
-        y     += shared_experts(x) [· sigmoid(shared_expert_gate(x))]    with num_shared_experts > 0
+        y     += shared_experts(x) [· sigmoid(shared_expert_gate(x))]    with num_shared_experts > 0;
+                                                on CUDA on a side stream, overlapping all of the above
 
     Submodules: ``router`` (``router.weight`` (E, H) fp32, replicated on every rank),
     ``experts`` (a ``GroupedMLP`` holding this rank's E/W experts; all E without ``ep_group``) and,
@@ -88,6 +90,16 @@ class MoE(nn.Module):
         shared_expert_gate: scale the shared experts' output per token by sigmoid(x @ w), w (1, H)
             fp32 (Qwen2-MoE); the scale goes in as the grouped MLP's ``probs``: multiplied in fp32
             inside the fused expert block, exactly like the router probabilities.
+        shared_expert_overlap: on CUDA (the default), run the shared experts on a side stream, issued
+            before the router, so that they overlap the routing, the dispatch, the routed experts and,
+            with ``ep_group``, the all-to-all and its host sync; their backward runs on that stream
+            too (autograd runs each op's backward on its forward's stream) and overlaps the routed
+            experts' backward. The results are the bits of ``False`` (one stream), forward and every
+            gradient: the layer input's gradient from the router, the routed and the shared experts
+            is summed in one fixed order whatever order autograd runs the branches in. No effect on
+            the CPU, without shared experts, under ``torch.compile`` (one stream), or when autograd
+            is on and x does not require grad (the shared experts' backward then has no point where
+            it joins the main stream, so they run on it).
         capacity_factor: None (default) drops nothing. Otherwise each expert keeps at most
             C = ceil(T·k / E · capacity_factor) of this call's (token, k) slots (Megatron-Core's
             ``moe_expert_capacity_factor``; C is a host int from shapes, so no host sync); a dropped
@@ -130,6 +142,7 @@ class MoE(nn.Module):
         num_shared_experts: int = 0,
         shared_expert_ffn_hidden_size: Optional[int] = None,
         shared_expert_gate: bool = False,
+        shared_expert_overlap: bool = True,
         capacity_factor: Optional[float] = None,
         drop_policy: str = "probs",
         pad_to_capacity: bool = False,
@@ -167,6 +180,8 @@ class MoE(nn.Module):
             _check_positive_int("shared_expert_ffn_hidden_size", shared_expert_ffn_hidden_size)
         if not isinstance(shared_expert_gate, bool):
             raise TypeError(f"shared_expert_gate: expected a bool, got {type(shared_expert_gate).__name__}")
+        if not isinstance(shared_expert_overlap, bool):
+            raise TypeError(f"shared_expert_overlap: expected a bool, got {type(shared_expert_overlap).__name__}")
         if num_shared_experts == 0 and (
             shared_expert_gate or shared_expert_ffn_hidden_size is not None
         ):
@@ -242,6 +257,7 @@ class MoE(nn.Module):
         else:
             self.shared_experts = None
         self.shared_expert_gate = SharedExpertGate(hidden_size, device=device) if shared_expert_gate else None
+        self.shared_expert_overlap = shared_expert_overlap
 
     def replicated_parameters(self) -> list[nn.Parameter]:
         """The parameters every expert-parallel rank holds in full (router, shared experts, their
@@ -294,7 +310,17 @@ class MoE(nn.Module):
             raise TypeError(f"x: expected a tensor on {weight.device} (the experts' device), got {x.device}")
         tokens = x.reshape(-1, self.hidden_size).contiguous()  # copies only a non-contiguous x
         triton = use_triton(self.backend, tokens.device)
-        probs, expert_idx = self.router(tokens)
+        router_tokens = routed_tokens = shared_tokens = tokens
+        side = shared = None
+        if self.shared_experts is not None:
+            side = self._side_stream(tokens)
+            router_tokens, routed_tokens, shared_tokens = _ForkTokens.apply(tokens, side)
+        if side is not None:
+            # Issued first: nothing on the main stream waits for the shared experts until the add.
+            # _ForkTokens made the side stream wait for tokens and kept tokens' memory for it.
+            with torch.cuda.stream(side):
+                shared = self._shared_forward(shared_tokens, is_first_microbatch)
+        probs, expert_idx = self.router(router_tokens)
         plan = None
         if self.capacity_factor is not None:
             # This rank's tokens: with ep_group each rank drops from its own T, as Megatron-Core does.
@@ -303,14 +329,31 @@ class MoE(nn.Module):
                 expert_idx, probs, self.num_experts, capacity, self.drop_policy, self.pad_to_capacity
             )
         if self.ep_group is None:
-            y, _ = local_moe_forward(tokens, probs, expert_idx, self.num_experts, run_experts, triton, plan=plan)
+            y, _ = local_moe_forward(routed_tokens, probs, expert_idx, self.num_experts, run_experts, triton, plan=plan)
         else:
             y = expert_parallel_moe_forward(
-                tokens, probs, expert_idx, self.num_experts, run_experts, self.ep_group, triton, plan=plan
+                routed_tokens, probs, expert_idx, self.num_experts, run_experts, self.ep_group, triton, plan=plan
             )
-        if self.shared_experts is not None:
-            y = y + self._shared_forward(tokens, is_first_microbatch)
+        if side is not None:
+            main = torch.cuda.current_stream(tokens.device)
+            main.wait_stream(side)
+            shared.record_stream(main)  # made on the side stream, read here: not reused before the add ran
+        elif self.shared_experts is not None:
+            shared = self._shared_forward(shared_tokens, is_first_microbatch)
+        if shared is not None:
+            y = y + shared
         return y.view(x.shape)
+
+    def _side_stream(self, tokens: Tensor):
+        """The stream the shared experts run on, or None for the caller's stream: see
+        ``shared_expert_overlap`` for when."""
+        if not (self.shared_expert_overlap and tokens.is_cuda) or torch.compiler.is_compiling():
+            return None
+        if torch.is_grad_enabled() and not tokens.requires_grad:
+            # The side stream's backward joins the main stream in _ForkTokens' backward, which runs
+            # only for an input that needs a gradient.
+            return None
+        return _side_stream(tokens.device.index if tokens.device.index is not None else torch.cuda.current_device())
 
     def _shared_forward(self, tokens: Tensor, is_first_microbatch: Optional[bool]) -> Tensor:
         """Every token through the shared experts: one grouped_mlp call, one expert, splits = [T]
@@ -318,3 +361,52 @@ class MoE(nn.Module):
         splits = torch.full((1,), tokens.shape[0], dtype=torch.int64, device=tokens.device)
         gate = self.shared_expert_gate(tokens) if self.shared_expert_gate is not None else None
         return self.shared_experts(tokens, splits, gate, is_first_microbatch=is_first_microbatch)
+
+
+@functools.cache
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    """One side stream per device for every MoE layer's shared experts: layers run one after the other,
+    and each joins the side stream back into the main one before it returns (forward) or before its
+    input gradient is used (backward)."""
+    return torch.cuda.Stream(device=device_index)
+
+
+class _ForkTokens(torch.autograd.Function):
+    """The layer input, handed to its three consumers (router, routed experts, shared experts) as three
+    aliases, so that its gradient is their three gradients summed in an order fixed here.
+
+    Left to autograd, the gradients of one tensor with several consumers are added in the order the
+    engine runs the consumers' backward, which follows the order the forward created them in. With the
+    shared experts issued before the routed ones (the side stream) that order changes, and in bf16
+    (a + b) + c is not a + (b + c): on one CPU stream, merely issuing the shared experts first changed
+    30% of a bf16 layer's dx elements. Here the sum is (shared + routed) + router whatever the issue
+    order, the order autograd took with the shared experts issued last (it runs the last-created
+    backward first), so the one-stream layer keeps its bits. Inside the shared alias there are at most
+    two terms (the experts' and the gate's), whose sum does not depend on their order.
+
+    With a side stream: forward makes it wait for the layer input and keeps the input's memory from
+    being reused before the side stream's reads (forward and backward) are done; backward runs on the
+    main stream (the forward's) and waits for the side stream, so everything the shared experts'
+    backward wrote (dx, the gate's gradient, an fp32 main_grad) is ordered before what comes next."""
+
+    @staticmethod
+    def forward(ctx, tokens: Tensor, side):
+        ctx.side = side
+        ctx.set_materialize_grads(False)  # a missing gradient adds nothing (not a -0 turned into +0)
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(tokens.device))
+            tokens.record_stream(side)
+        return tokens.view_as(tokens), tokens.view_as(tokens), tokens.view_as(tokens)
+
+    @staticmethod
+    def backward(ctx, d_router, d_routed, d_shared):
+        if ctx.side is not None:
+            torch.cuda.current_stream(ctx.side.device).wait_stream(ctx.side)
+        dx = None
+        for d in (d_shared, d_routed, d_router):  # the fixed order, see the class docstring
+            if d is not None:
+                dx = d if dx is None else dx + d
+        return (
+            dx,  # tokens
+            None,  # side
+        )
