@@ -60,7 +60,7 @@ def test_cpu_layer_ignores_the_option(overlap):
     default = MoE(**kw)
     layer = MoE(**kw, shared_expert_overlap=overlap)
     layer.load_state_dict(default.state_dict())
-    assert default.shared_expert_overlap is True
+    assert default.shared_expert_overlap is False  # opt-in: slower on the H200's deepseek-v3-like layer
     x = torch.randn(40, 32, dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     assert layer._side_stream(x.clone().requires_grad_()) is None

@@ -90,7 +90,10 @@ class MoE(nn.Module):
         shared_expert_gate: scale the shared experts' output per token by sigmoid(x @ w), w (1, H)
             fp32 (Qwen2-MoE); the scale goes in as the grouped MLP's ``probs``: multiplied in fp32
             inside the fused expert block, exactly like the router probabilities.
-        shared_expert_overlap: on CUDA (the default), run the shared experts on a side stream, issued
+        shared_expert_overlap: on CUDA, run the shared experts on a side stream (default off: on the
+            H200 it made the deepseek-v3-like layer 10 % slower, since the routed experts' persistent
+            kernels already hold every SM and the two streams' kernels then queue behind each other;
+            docs/DECISIONS.md). The side stream is issued
             before the router, so that they overlap the routing, the dispatch, the routed experts and,
             with ``ep_group``, the all-to-all and its host sync; their backward runs on that stream
             too (autograd runs each op's backward on its forward's stream) and overlaps the routed
@@ -142,7 +145,7 @@ class MoE(nn.Module):
         num_shared_experts: int = 0,
         shared_expert_ffn_hidden_size: Optional[int] = None,
         shared_expert_gate: bool = False,
-        shared_expert_overlap: bool = True,
+        shared_expert_overlap: bool = False,
         capacity_factor: Optional[float] = None,
         drop_policy: str = "probs",
         pad_to_capacity: bool = False,
