@@ -42,9 +42,11 @@ def _check_interpreter_consistent():
 
 
 def make(splits, H, F, *, M=None, activation="swiglu", interleave=None, bias=True, scale_fc2_bias=False,
-         probs_dtype=torch.float32, dtype=torch.bfloat16, device="cpu", seed=0):
+         probs_dtype=torch.float32, dtype=torch.bfloat16, device="cpu", seed=0, transposed=False):
     """Random problem: values drawn in fp32 and rounded to dtype; scales put every activation's
-    kinks (clamp limits, relu at 0) inside the range of h."""
+    kinks (clamp limits, relu at 0) inside the range of h. ``transposed``: the weights are the
+    transposed views of contiguous (E, H, N1) and (E, F, H) tensors (transformers' is_transposed
+    layout, gpt-oss), the same values."""
     g = torch.Generator().manual_seed(seed)
     spec = ACTIVATIONS[activation]
     E = len(splits)
@@ -65,6 +67,9 @@ def make(splits, H, F, *, M=None, activation="swiglu", interleave=None, bias=Tru
         fc2_bias=r(E, H) if bias else None,
         dy=r(M, H),
     )
+    if transposed:
+        for name in ("fc1_weight", "fc2_weight"):
+            t[name] = t[name].transpose(1, 2).contiguous().transpose(1, 2)
     return t, cfg
 
 
@@ -133,6 +138,13 @@ CPU_CASES = [
     ("interleave_32_tma_path", (13, 9, 17), 16, 64, dict(interleave=32)),
     # fp16 compute, fp16 probs
     ("fp16", (10, 20, 6), 24, 32, dict(dtype=torch.float16, probs_dtype=torch.float16)),
+    # gpt-oss's layout: transposed weights read in place (FC1's B not K-major), interleave 1, capacity
+    # rows; dW comes back transposed (swapped wgrad operands), db from its own launch
+    ("transposed_interleave_1", (13, 0, 17, 6), 16, 32, dict(interleave=1, transposed=True, M=40)),
+    # transposed weights, gate and up halves (Llama-4's layout): FC1's gate and up TMA boxes, N-major
+    ("transposed_halves", (13, 9, 17), 16, 32, dict(transposed=True)),
+    # transposed weights on pointer loads (x rows of 40 bytes), interleave 1, fc2 bias scaled by probs
+    ("transposed_pointer_path", (5, 11, 3), 20, 24, dict(interleave=1, transposed=True, scale_fc2_bias=True)),
 ]
 
 
@@ -142,7 +154,11 @@ def test_cpu_cases(case):
     _check_interpreter_consistent()
     _, splits, H, F, kw = case
     t, cfg = make(splits, H, F, **kw)
-    assert_close_to_f64(run_both(t, cfg), kw.get("probs_dtype", torch.float32))
+    res = run_both(t, cfg)
+    assert_close_to_f64(res, kw.get("probs_dtype", torch.float32))
+    for name, w in (("dw1", t["fc1_weight"]), ("dw2", t["fc2_weight"])):
+        # a weight's gradient in the weight's own layout: accumulating it into .grad copies nothing
+        assert res[name][0].stride() == w.stride(), name
 
 
 @interpreted

@@ -160,7 +160,10 @@ def grouped_gemm_kernel(
                 else:
                     b = b_desc.load([e, kk * BK, n_b0]).reshape(BK, BN)
                 if TWO_ACC:
-                    b_up = tl.trans(b_desc.load([e, n_b0 + G, kk * BK]).reshape(BN, BK))
+                    if B_KMAJOR:
+                        b_up = tl.trans(b_desc.load([e, n_b0 + G, kk * BK]).reshape(BN, BK))
+                    else:
+                        b_up = b_desc.load([e, kk * BK, n_b0 + G]).reshape(BK, BN)
             else:
                 k_mask = offs_k < K - kk * BK
                 a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
