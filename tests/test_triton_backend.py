@@ -138,12 +138,17 @@ CPU_CASES = [
     ("interleave_32_tma_path", (13, 9, 17), 16, 64, dict(interleave=32)),
     # fp16 compute, fp16 probs
     ("fp16", (10, 20, 6), 24, 32, dict(dtype=torch.float16, probs_dtype=torch.float16)),
+    # interleave g=1 (gate and up column by column, gpt-oss): FC1's paired tile, TMA boxes of 2·BN rows
+    ("interleave_1_paired_tma", (13, 9, 17), 16, 32, dict(interleave=1)),
+    # interleave g=1 with x rows of 40 bytes (not 16-byte aligned): gate and up rows gathered on pointer loads
+    ("interleave_1_pointer_path", (13, 9, 17), 20, 24, dict(interleave=1)),
     # gpt-oss's layout: transposed weights read in place (FC1's B not K-major), interleave 1, capacity
     # rows; dW comes back transposed (swapped wgrad operands), db from its own launch
     ("transposed_interleave_1", (13, 0, 17, 6), 16, 32, dict(interleave=1, transposed=True, M=40)),
     # transposed weights, gate and up halves (Llama-4's layout): FC1's gate and up TMA boxes, N-major
     ("transposed_halves", (13, 9, 17), 16, 32, dict(transposed=True)),
-    # transposed weights on pointer loads (x rows of 40 bytes), interleave 1, fc2 bias scaled by probs
+    # transposed weights on pointer loads (x rows of 40 bytes), interleave 1: the paired tile; fc2 bias
+    # scaled by probs
     ("transposed_pointer_path", (5, 11, 3), 20, 24, dict(interleave=1, transposed=True, scale_fc2_bias=True)),
 ]
 
@@ -263,6 +268,34 @@ def test_cpu_no_rows():
     grads = K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, (True,) * 6)
     for name, g in zip(GRADS[2:], grads[2:]):
         assert (g == 0).all(), name
+
+
+@pytest.mark.skipif(not _triton_env.START_CHILD, reason="offline sm_90 compile: the CPU-only parent process")
+@pytest.mark.parametrize("k_major", [True, False], ids=["k_major_w1", "transposed_w1"])
+def test_paired_fc1_compiles_for_hopper_without_spills(k_major):
+    """FC1 with gate and up column by column (gpt-oss) at its GPU tile, compiled for sm_90 with no
+    GPU: the paired tile is one m64n256 wgmma per step on both weight layouts (gpt-oss's own
+    (E, H, 2F) read N-major, or a contiguous (E, 2F, H)) and nothing spills."""
+    import re
+
+    import _sm90
+    from moemlp.kernels.gemm import grouped, launch
+
+    cfg = launch.default_config("fc1", 2880, 2880, True, 2)
+    const = dict(EPILOGUE=0, ACT=ACTIVATIONS["clamped_swiglu"].kernel_id, GLU=True, HAS_PROBS=True, HAS_BIAS=True,
+                 SCALE_BIAS=False, STORE_Z=True, STORE_PARTIAL=False, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+                 GROUP_M=cfg.GROUP_M, E_BLOCK=128, INTERPRETED=False, DOT_PRECISION="tf32", USE_TMA=True,
+                 B_KMAJOR=k_major, SUBTILE=cfg.SUBTILE, PROMOTE=False, FP8=False, ACC_SCALE=False,
+                 B_SCALE_SCALAR=False, PAIRED=True, G=1)
+    ptr = {name: "*bf16" for name in ("a_ptr", "b_ptr", "out_ptr", "z_ptr", "h_ptr", "bias_ptr")}
+    ptr.update(splits_ptr="*i64", probs_ptr="*fp32")
+    b_box = f"[1, {2 * cfg.BN}, {cfg.BK}]" if k_major else f"[1, {cfg.BK}, {2 * cfg.BN}]"
+    desc = {"a_desc": f"tensordesc<bf16[{cfg.BM}, {cfg.BK}]>", "b_desc": f"tensordesc<bf16{b_box}>"}
+    ptx, sass, usage = _sm90.compile_sm90(grouped.grouped_gemm_kernel, const, ptr, desc, cfg.num_warps,
+                                          cfg.num_stages)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx)
+    assert "LDL" not in sass, "local-memory loads: the accumulator spilled"
+    assert re.search(r"STACK:0\b", usage), usage
 
 
 def test_recipe_is_refused_clearly():
