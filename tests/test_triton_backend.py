@@ -330,6 +330,11 @@ GPU_CASES = [
     # srelu (unary), fp16
     ("srelu_fp16", dict(E=6, H=512, F=1024, rows=2500, empty=(), capacity=3, activation="srelu",
                         dtype=torch.float16, probs_dtype=torch.float16)),
+    # gpt-oss as transformers stores it: transposed weights read in place, gate and up column by
+    # column (FC1's paired tile on TMA), F = 11·128 + 64 (a partial last tile), biases
+    ("gpt_oss_transposed_interleave_1", dict(E=16, H=1024, F=1472, rows=4000, empty=(2,), capacity=17,
+                                             activation="clamped_swiglu", interleave=1,
+                                             probs_dtype=torch.bfloat16, scale_fc2_bias=True, transposed=True)),
 ]
 
 
@@ -358,6 +363,8 @@ def test_gpu_cases(case):
     for e in kw["empty"]:
         for name in ("dw1", "dw2", "db1", "db2"):
             assert (res[name][0][e] == 0).all(), name
+    for name, w in (("dw1", t["fc1_weight"]), ("dw2", t["fc2_weight"])):
+        assert res[name][0].stride() == w.stride(), name
 
 
 def _step(t, cfg):
