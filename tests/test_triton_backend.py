@@ -42,9 +42,11 @@ def _check_interpreter_consistent():
 
 
 def make(splits, H, F, *, M=None, activation="swiglu", interleave=None, bias=True, scale_fc2_bias=False,
-         probs_dtype=torch.float32, dtype=torch.bfloat16, device="cpu", seed=0):
+         probs_dtype=torch.float32, dtype=torch.bfloat16, device="cpu", seed=0, transposed=False):
     """Random problem: values drawn in fp32 and rounded to dtype; scales put every activation's
-    kinks (clamp limits, relu at 0) inside the range of h."""
+    kinks (clamp limits, relu at 0) inside the range of h. ``transposed``: the weights are the
+    transposed views of contiguous (E, H, N1) and (E, F, H) tensors (transformers' is_transposed
+    layout, gpt-oss), the same values."""
     g = torch.Generator().manual_seed(seed)
     spec = ACTIVATIONS[activation]
     E = len(splits)
@@ -65,6 +67,9 @@ def make(splits, H, F, *, M=None, activation="swiglu", interleave=None, bias=Tru
         fc2_bias=r(E, H) if bias else None,
         dy=r(M, H),
     )
+    if transposed:
+        for name in ("fc1_weight", "fc2_weight"):
+            t[name] = t[name].transpose(1, 2).contiguous().transpose(1, 2)
     return t, cfg
 
 
@@ -133,6 +138,18 @@ CPU_CASES = [
     ("interleave_32_tma_path", (13, 9, 17), 16, 64, dict(interleave=32)),
     # fp16 compute, fp16 probs
     ("fp16", (10, 20, 6), 24, 32, dict(dtype=torch.float16, probs_dtype=torch.float16)),
+    # interleave g=1 (gate and up column by column, gpt-oss): FC1's paired tile, TMA boxes of 2·BN rows
+    ("interleave_1_paired_tma", (13, 9, 17), 16, 32, dict(interleave=1)),
+    # interleave g=1 with x rows of 40 bytes (not 16-byte aligned): gate and up rows gathered on pointer loads
+    ("interleave_1_pointer_path", (13, 9, 17), 20, 24, dict(interleave=1)),
+    # gpt-oss's layout: transposed weights read in place (FC1's B not K-major), interleave 1, capacity
+    # rows; dW comes back transposed (swapped wgrad operands), db from its own launch
+    ("transposed_interleave_1", (13, 0, 17, 6), 16, 32, dict(interleave=1, transposed=True, M=40)),
+    # transposed weights, gate and up halves (Llama-4's layout): FC1's gate and up TMA boxes, N-major
+    ("transposed_halves", (13, 9, 17), 16, 32, dict(transposed=True)),
+    # transposed weights on pointer loads (x rows of 40 bytes), interleave 1: the paired tile; fc2 bias
+    # scaled by probs
+    ("transposed_pointer_path", (5, 11, 3), 20, 24, dict(interleave=1, transposed=True, scale_fc2_bias=True)),
 ]
 
 
@@ -142,7 +159,11 @@ def test_cpu_cases(case):
     _check_interpreter_consistent()
     _, splits, H, F, kw = case
     t, cfg = make(splits, H, F, **kw)
-    assert_close_to_f64(run_both(t, cfg), kw.get("probs_dtype", torch.float32))
+    res = run_both(t, cfg)
+    assert_close_to_f64(res, kw.get("probs_dtype", torch.float32))
+    for name, w in (("dw1", t["fc1_weight"]), ("dw2", t["fc2_weight"])):
+        # a weight's gradient in the weight's own layout: accumulating it into .grad copies nothing
+        assert res[name][0].stride() == w.stride(), name
 
 
 @interpreted
@@ -249,6 +270,34 @@ def test_cpu_no_rows():
         assert (g == 0).all(), name
 
 
+@pytest.mark.skipif(not _triton_env.START_CHILD, reason="offline sm_90 compile: the CPU-only parent process")
+@pytest.mark.parametrize("k_major", [True, False], ids=["k_major_w1", "transposed_w1"])
+def test_paired_fc1_compiles_for_hopper_without_spills(k_major):
+    """FC1 with gate and up column by column (gpt-oss) at its GPU tile, compiled for sm_90 with no
+    GPU: the paired tile is one m64n256 wgmma per step on both weight layouts (gpt-oss's own
+    (E, H, 2F) read N-major, or a contiguous (E, 2F, H)) and nothing spills."""
+    import re
+
+    import _sm90
+    from moemlp.kernels.gemm import grouped, launch
+
+    cfg = launch.default_config("fc1", 2880, 2880, True, 2)
+    const = dict(EPILOGUE=0, ACT=ACTIVATIONS["clamped_swiglu"].kernel_id, GLU=True, HAS_PROBS=True, HAS_BIAS=True,
+                 SCALE_BIAS=False, STORE_Z=True, STORE_PARTIAL=False, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+                 GROUP_M=cfg.GROUP_M, E_BLOCK=128, INTERPRETED=False, DOT_PRECISION="tf32", USE_TMA=True,
+                 B_KMAJOR=k_major, SUBTILE=cfg.SUBTILE, PROMOTE=False, FP8=False, ACC_SCALE=False,
+                 B_SCALE_SCALAR=False, PAIRED=True, G=1)
+    ptr = {name: "*bf16" for name in ("a_ptr", "b_ptr", "out_ptr", "z_ptr", "h_ptr", "bias_ptr")}
+    ptr.update(splits_ptr="*i64", probs_ptr="*fp32")
+    b_box = f"[1, {2 * cfg.BN}, {cfg.BK}]" if k_major else f"[1, {cfg.BK}, {2 * cfg.BN}]"
+    desc = {"a_desc": f"tensordesc<bf16[{cfg.BM}, {cfg.BK}]>", "b_desc": f"tensordesc<bf16{b_box}>"}
+    ptx, sass, usage = _sm90.compile_sm90(grouped.grouped_gemm_kernel, const, ptr, desc, cfg.num_warps,
+                                          cfg.num_stages)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx)
+    assert "LDL" not in sass, "local-memory loads: the accumulator spilled"
+    assert re.search(r"STACK:0\b", usage), usage
+
+
 def test_recipe_is_refused_clearly():
     t, cfg = make((4, 4), 16, 32)
     cfg = MLPConfig(cfg.activation, cfg.activation_params, cfg.glu_interleave, False, recipe=object())
@@ -281,6 +330,11 @@ GPU_CASES = [
     # srelu (unary), fp16
     ("srelu_fp16", dict(E=6, H=512, F=1024, rows=2500, empty=(), capacity=3, activation="srelu",
                         dtype=torch.float16, probs_dtype=torch.float16)),
+    # gpt-oss as transformers stores it: transposed weights read in place, gate and up column by
+    # column (FC1's paired tile on TMA), F = 11·128 + 64 (a partial last tile), biases
+    ("gpt_oss_transposed_interleave_1", dict(E=16, H=1024, F=1472, rows=4000, empty=(2,), capacity=17,
+                                             activation="clamped_swiglu", interleave=1,
+                                             probs_dtype=torch.bfloat16, scale_fc2_bias=True, transposed=True)),
 ]
 
 
@@ -309,6 +363,8 @@ def test_gpu_cases(case):
     for e in kw["empty"]:
         for name in ("dw1", "dw2", "db1", "db2"):
             assert (res[name][0][e] == 0).all(), name
+    for name, w in (("dw1", t["fc1_weight"]), ("dw2", t["fc2_weight"])):
+        assert res[name][0].stride() == w.stride(), name
 
 
 def _step(t, cfg):

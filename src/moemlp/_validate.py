@@ -168,6 +168,13 @@ def validate_inputs(
     return M, H, F, g
 
 
+def weight_is_transposed(w: Tensor) -> bool:
+    """Whether the expert weight ``w`` (E, R, C) is the transposed view of a contiguous (E, C, R)
+    tensor: the layout of transformers' ``is_transposed`` experts (gpt-oss), which both backends
+    read in place (and return the gradient of in the same layout) instead of copying it."""
+    return w.dim() == 3 and not w.is_contiguous() and w.transpose(1, 2).is_contiguous()
+
+
 def validate_split_values(splits: Tensor, num_rows: int, rows_of: str = "x") -> None:
     """Counts >= 0 and Σ <= M. Reads splits on the host: free for CPU splits; a synchronisation
     for GPU splits, done only where the backend reads them on the host anyway (torch).

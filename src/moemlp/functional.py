@@ -16,7 +16,7 @@ from torch import Tensor
 
 from . import reference
 from ._config import MLPConfig
-from ._validate import validate_index_values, validate_inputs, validate_split_values
+from ._validate import validate_index_values, validate_inputs, validate_split_values, weight_is_transposed
 from ._x_index import RowIndex, gather_rows
 from .activations import ACTIVATIONS, resolve_activation
 
@@ -143,7 +143,8 @@ def _grouped_mlp_bwd_op(
 
 
 def _grad_like(t: Optional[Tensor], need: bool, x: Tensor) -> Tensor:
-    return t.new_empty(t.shape) if (need and t is not None) else x.new_empty(0)
+    # empty_like keeps t's strides: a transposed-layout weight gets its gradient in that layout
+    return torch.empty_like(t) if (need and t is not None) else x.new_empty(0)
 
 
 @_grouped_mlp_bwd_op.register_fake
@@ -351,6 +352,14 @@ def _resolve_backend(backend, x: Tensor, recipe) -> str:
     return "triton"
 
 
+def _dense_weight(w: Tensor, recipe) -> Tensor:
+    """w itself when the backends read it in place (contiguous, or transposed without a recipe),
+    else a contiguous copy."""
+    if w.is_contiguous() or (recipe is None and weight_is_transposed(w)):
+        return w
+    return w.contiguous()
+
+
 def grouped_mlp(
     x: Tensor,
     splits: Tensor,
@@ -416,7 +425,13 @@ def grouped_mlp(
             clamps it into [0, T) instead, as it clamps device splits. Unfused for now: the rows
             are gathered into an (M, H) tensor before FC1.
 
-    Non-contiguous tensors are copied to contiguous ones once, here, before the ops run.
+    Non-contiguous tensors are copied to contiguous ones once, here, before the ops run, except a
+    weight in the transposed layout without a recipe: the transposed view (``w.transpose(1, 2)``)
+    of a contiguous (E, H, N1) / (E, F, H) tensor, as transformers' ``is_transposed`` experts
+    (gpt-oss) store theirs. Both backends read it in place and return its gradient in the same
+    layout (a transposed view of a contiguous tensor), so neither the forward nor the optimizer's
+    gradient accumulation copies the weight. Under a recipe it is copied (the quantizers take
+    contiguous weights).
 
     Returns:
         y (M, H) in x.dtype.
@@ -485,8 +500,8 @@ def grouped_mlp(
         x,
         splits.contiguous(),
         probs.contiguous() if probs is not None else None,
-        fc1_weight.contiguous(),
-        fc2_weight.contiguous(),
+        _dense_weight(fc1_weight, recipe_obj),
+        _dense_weight(fc2_weight, recipe_obj),
         fc1_bias.contiguous() if fc1_bias is not None else None,
         fc2_bias.contiguous() if fc2_bias is not None else None,
         spec.name,

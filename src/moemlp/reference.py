@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ._config import MLPConfig
-from ._validate import validate_split_values
+from ._validate import validate_split_values, weight_is_transposed
 
 __all__ = ["grouped_mlp_fwd", "grouped_mlp_bwd", "grouped_fc1", "ExpertLayout"]
 
@@ -106,6 +106,15 @@ def _operand(t: Tensor, acc: torch.dtype, recipe, dim: int) -> Tensor:
 
 def _weight(w: Tensor, acc: torch.dtype, recipe, dim: int) -> Tensor:
     return w.to(acc) if recipe is None else recipe.qdq_weight(w, dim)
+
+
+def _wgrad(g_p: Tensor, x_p: Tensor, weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """dW (E, P, Q) = g_pᵀ @ x_p per expert, in ``dtype``, stored in ``weight``'s layout: a
+    transposed-layout weight gets the transposed view of a contiguous (E, Q, P) product, so its
+    gradient accumulates without a copy."""
+    if weight_is_transposed(weight):
+        return torch.bmm(x_p.transpose(1, 2), g_p).to(dtype).transpose(1, 2)
+    return torch.bmm(g_p.transpose(1, 2), x_p).to(dtype)
 
 
 def _fc1(x, lay: ExpertLayout, fc1_weight, fc1_bias, acc, recipe) -> Tensor:
@@ -198,7 +207,7 @@ def grouped_mlp_bwd(
             else:
                 dy_q, z_q = recipe.qdq_wgrad(dy_v, z, splits)
                 dy_op, z_op = lay.pad(dy_q), lay.pad(z_q)
-            dw2 = torch.bmm(dy_op.transpose(1, 2), z_op).to(wgrad_dtype or fc2_weight.dtype)
+            dw2 = _wgrad(dy_op, z_op, fc2_weight, wgrad_dtype or fc2_weight.dtype)
 
     if need_dx or need_dprobs or need_dw1 or need_db1:
         dy_op = _operand(dy_v, acc, recipe, -1)
@@ -224,7 +233,7 @@ def grouped_mlp_bwd(
                     g_q, x_q = recipe.qdq_wgrad(g_h_acc, x[:T], splits)
                     g_p, x_p = lay.pad(g_q), lay.pad(x_q)
                 if need_dw1:
-                    dw1 = torch.bmm(g_p.transpose(1, 2), x_p).to(wgrad_dtype or fc1_weight.dtype)
+                    dw1 = _wgrad(g_p, x_p, fc1_weight, wgrad_dtype or fc1_weight.dtype)
                 if need_db1:
                     g_b = g_p if recipe is None else lay.pad(g_h_acc.to(x.dtype).to(acc))
                     db1 = g_b.sum(1).to(fc1_bias.dtype)

@@ -19,6 +19,8 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 transformers = pytest.importorskip("transformers", minversion="5.7.0")
 mh = pytest.importorskip("moemlp.integrations.transformers")
@@ -230,6 +232,51 @@ def _train(family: str, dtype: torch.dtype, implementation: str, steps: int = 6)
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+class _ExpertWeightTensors(TorchDispatchMode):
+    """Every tensor an op makes with the shape of an experts weight (or of its transpose) that is
+    not a view of one of the op's inputs: a copy of a weight, or a weight's gradient, as
+    (op, shape); and the weight arguments moemlp's forward op receives."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.made, self.fwd_weights = shapes, [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.moemlp.grouped_mlp_fwd.default:
+            self.fwd_weights.append((args[3], args[4]))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and tuple(t.shape) in self.shapes and t.untyped_storage().data_ptr() not in inputs:
+                self.made.append((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_training_step_copies_no_experts_weight(family):
+    """A training step (forward, loss.backward()) makes one experts-weight-sized tensor per weight:
+    its gradient, which moemlp's backward op writes in the weight's own layout, so that .grad takes
+    it as is. No weight is copied in the forward: moemlp's op gets views of the parameters, also of
+    gpt-oss's transposed (E, H, 2F) / (E, F, H) weights, which used to be transposed into contiguous
+    copies on every call (6.4 GB at gpt-oss-120b) and whose gradients .grad then copied back."""
+    model = _model(family, torch.bfloat16)
+    model.set_experts_implementation("moemlp")
+    weights = [w for layer in model.model.layers for w in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj)]
+    shapes = {s for w in weights for s in (tuple(w.shape), tuple(w.transpose(1, 2).shape))}
+    ids, labels = _batch()
+    with _ExpertWeightTensors(shapes) as seen:
+        logits = model(ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
+        loss.backward()
+    params = {w.untyped_storage().data_ptr() for w in weights}
+    assert len(seen.fwd_weights) == len(model.model.layers)
+    for fc1, fc2 in seen.fwd_weights:
+        assert {fc1.untyped_storage().data_ptr(), fc2.untyped_storage().data_ptr()} <= params
+    assert [op for op, _ in seen.made] == ["moemlp.grouped_mlp_bwd.default"] * len(weights), seen.made
+    for w in weights:
+        assert w.grad.stride() == w.stride()
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

@@ -307,6 +307,7 @@ def test_compiles_for_hopper_without_spills(case, use_tma):
         FP8=True,
         ACC_SCALE=False,
         B_SCALE_SCALAR=True,  # what the launcher picks for BN | 128 (and GLU blocks a multiple of BN)
+        PAIRED=False,
     )
     ptr = {
         "a_ptr": "*fp8e4nv",

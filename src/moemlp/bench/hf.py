@@ -3,11 +3,21 @@ transformers' own "grouped_mm", same model, same inputs, forward + backward.
 
 Each model is one decoder layer of the real architecture (attention, router, experts at full size;
 random weights, bf16, a 1024-token vocabulary so the LM head stays out of the way), built from its
-config with no download. Two timings per backend, medians of ``median_ms``:
+config with no download. Three timings per backend, medians of ``median_ms``:
 
-  moe_block   the layer's MoE block (router + experts, + shared expert where the model has one)
-              on (1, tokens, H) hidden states: autograd.grad of the input and every parameter
-  model       the one-layer model from embeddings to logits, autograd.grad of every parameter
+  moe_block              the layer's MoE block (router + experts, + shared expert where the model
+                         has one) on random (1, tokens, H) hidden states: autograd.grad of the input
+                         and every parameter
+  moe_block_model_input  the same on the hidden states the model itself feeds the block
+  model                  the one-layer model from embeddings to logits, autograd.grad of every parameter
+
+The two block inputs route differently: random hidden states spread the rows evenly over the
+experts, while the randomly initialised model's own ones (dominated by attention outputs that are
+much alike across tokens) send most rows to a few experts (qwen3-30b-a3b built on the CPU: the
+busiest expert gets 8.6x the mean, 2196 of 32768 rows, the idlest 1; gpt-oss-120b: 3.2x, 408 of
+16384, the idlest 27). ``routing_max_over_mean_*`` is that ratio for
+each input; the model timing runs on the model's routing, so it compares with
+moe_block_model_input, not with moe_block.
 
 Expert FLOPs of the block, forward + backward: 18·tokens·top_k·H·F (a GLU expert MLP: forward
 6·rows·H·F, backward twice that), on the rows the router actually sends (tokens·top_k).
@@ -88,6 +98,31 @@ def _grads_fn(module_fn, inputs, params, dy):
     return step
 
 
+def _block_input_in_model(model, block, ids) -> torch.Tensor:
+    """The hidden states the model's forward hands ``block``, detached."""
+    seen = {}
+    hook = block.register_forward_pre_hook(lambda module, args: seen.update(x=args[0].detach().clone()))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        hook.remove()
+    return seen["x"]
+
+
+def _routing_max_over_mean(block, hidden: torch.Tensor, experts: int) -> float:
+    """Rows of the busiest expert over the mean rows per expert, for the block's routing of ``hidden``."""
+    seen = {}
+    hook = block.experts.register_forward_pre_hook(lambda module, args: seen.update(index=args[1].detach()))
+    try:
+        with torch.no_grad():
+            block(hidden)
+    finally:
+        hook.remove()
+    counts = torch.bincount(seen["index"].flatten().clamp(0, experts - 1), minlength=experts).float()
+    return float(counts.max() / counts.mean())
+
+
 def measure(shape: HFModelShape, device: torch.device, rep_ms: int, implementations=("moemlp", "grouped_mm")):
     """Rows of the table for one model shape: one per experts implementation."""
     model = build_model(shape, device)
@@ -100,28 +135,42 @@ def measure(shape: HFModelShape, device: torch.device, rep_ms: int, implementati
     dy_block = torch.randn(1, shape.tokens, shape.hidden, generator=g).to(device, torch.bfloat16)
     ids = torch.randint(0, VOCAB, (1, shape.tokens), generator=g).to(device)
     dy_logits = torch.randn(1, shape.tokens, VOCAB, generator=g).to(device, torch.bfloat16)
+    model.set_experts_implementation(implementations[-1])  # the block's input does not depend on it
+    model_hidden = _block_input_in_model(model, block, ids).requires_grad_(True)
+    skew = {name: _routing_max_over_mean(block, x, shape.experts)
+            for name, x in (("random", hidden), ("model", model_hidden))}
 
-    def block_out():
-        out = block(hidden)
-        return out[0] if isinstance(out, tuple) else out  # gpt-oss's block also returns router scores
+    def block_fn(x):
+        def block_out():
+            out = block(x)
+            return out[0] if isinstance(out, tuple) else out  # gpt-oss's block also returns router scores
+
+        return block_out
 
     outputs, rows = {}, []
     for impl in implementations:
         model.set_experts_implementation(impl)
         with torch.no_grad():
-            outputs[impl] = block_out().float()
-        block_ms = median_ms(_grads_fn(block_out, [hidden], block_params, dy_block), device, rep_ms=rep_ms)
+            outputs[impl] = block_fn(hidden)().float()
+        block_ms, block_model_input_ms = (
+            median_ms(_grads_fn(block_fn(x), [x], block_params, dy_block), device, rep_ms=rep_ms)
+            for x in (hidden, model_hidden)
+        )
         model_ms = median_ms(_grads_fn(lambda: model(ids).logits, [], model_params, dy_logits), device,
                              rep_ms=rep_ms)
         rows.append({"model": shape.name, "experts_impl": impl, "tokens": shape.tokens, "H": shape.hidden,
                      "F": shape.ffn, "E": shape.experts, "top_k": shape.top_k,
                      "moe_block_ms": block_ms, "moe_block_expert_tflops": shape.expert_flops() / block_ms / 1e9,
-                     "model_ms": model_ms})
+                     "moe_block_model_input_ms": block_model_input_ms, "model_ms": model_ms,
+                     "routing_max_over_mean_random": skew["random"], "routing_max_over_mean_model": skew["model"]})
     base = rows[-1]
     ref = outputs[base["experts_impl"]]
     for row in rows:
         out = outputs[row["experts_impl"]]
         row["block_speedup_vs_" + base["experts_impl"]] = base["moe_block_ms"] / row["moe_block_ms"]
+        row["block_model_input_speedup_vs_" + base["experts_impl"]] = (
+            base["moe_block_model_input_ms"] / row["moe_block_model_input_ms"]
+        )
         row["model_speedup_vs_" + base["experts_impl"]] = base["model_ms"] / row["model_ms"]
         row["rel_diff_block_out"] = float((out - ref).norm() / ref.norm())
     return rows
@@ -148,8 +197,9 @@ def run_hf_bench(args) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the next model's weights (gpt-oss: 6 GB of experts) start clean
     speed_cols = [c for c in rows[0] if c.endswith("_speedup_vs_grouped_mm")]
-    print_table(rows, ["model", "experts_impl", "tokens", "moe_block_ms", "moe_block_expert_tflops", "model_ms",
-                       *speed_cols, "rel_diff_block_out"],
+    print_table(rows, ["model", "experts_impl", "tokens", "moe_block_ms", "moe_block_expert_tflops",
+                       "moe_block_model_input_ms", "model_ms", *speed_cols, "routing_max_over_mean_random",
+                       "routing_max_over_mean_model", "rel_diff_block_out"],
                 "MoE block and one-layer model, forward + backward (bf16; expert FLOPs 18·tokens·k·H·F)")
     path = os.path.join(out, "hf_bench.csv")
     write_csv(path, rows)

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._validate import weight_is_transposed
 from . import operands
 from .gemm import launch
 from .quant import supports
@@ -66,9 +67,12 @@ def _check(cfg, **tensors: Optional[Tensor]) -> None:
     if not supports_recipe(cfg.recipe):
         raise ValueError(f"recipe: the triton backend has no implementation of {cfg.recipe!r}")
     # The kernels index rows with the shapes' own strides; a strided view would be read wrongly,
-    # and copying it silently would hide a full extra pass from the caller.
+    # and copying it silently would hide a full extra pass from the caller. A weight may also be
+    # the transposed view of a contiguous tensor without a recipe (operands.Weight reads it in place).
     for name, t in tensors.items():
-        if t is not None and not t.is_contiguous():
+        if t is None or t.is_contiguous():
+            continue
+        if not (name.endswith("_weight") and cfg.recipe is None and weight_is_transposed(t)):
             raise ValueError(f"{name}: the triton backend expects a contiguous tensor, got strides {t.stride()}")
 
 
@@ -183,10 +187,11 @@ def grouped_mlp_bwd(
             operands.gemm("fc1_dgrad", g_h, w1, splits=splits, out=dx, N=H, K=N1, N1=N1, cfg=cfg)
         dw1, db1 = operands.wgrad(
             g_h, x if need_dw1 else None, splits, r, dtype=x.dtype, dw_dtype=wgrad_dtype or fc1_weight.dtype,
-            bias=fc1_bias if need_db1 else None, blocks=blocks,
+            bias=fc1_bias if need_db1 else None, blocks=blocks, transposed=weight_is_transposed(fc1_weight),
         )  # fmt: skip
     dw2, db2 = operands.wgrad(
         dy, z, splits, r, dtype=x.dtype, dw_dtype=wgrad_dtype or fc2_weight.dtype,
         bias=fc2_bias if need_db2 else None, probs=probs, scale_bias=cfg.scale_fc2_bias, blocks=blocks,
+        transposed=weight_is_transposed(fc2_weight),
     )  # fmt: skip
     return dx, dprobs, dw1, dw2, db1, db2

@@ -129,7 +129,7 @@ class Weight:
     def forward(self) -> WeightOperand:
         E, R, C = self.w.shape
         if self.recipe is None:
-            return WeightOperand(self.w, (R * C, C, 1))
+            return _in_place(self.w, dgrad=False)
         if is_native(self.recipe):
             q = self._quantized(transposed=False)
             nr, nc = q.scales.shape[1:]
@@ -142,7 +142,7 @@ class Weight:
     def dgrad(self) -> WeightOperand:
         E, R, C = self.w.shape
         if self.recipe is None:
-            return WeightOperand(self.w, (R * C, 1, C))
+            return _in_place(self.w, dgrad=True)
         if is_native(self.recipe):
             q = self._quantized(transposed=True)
             nr, nc = q.scales.shape[1:]
@@ -152,6 +152,19 @@ class Weight:
             self.w, self.recipe, dim=-2, out_dtype=torch.bfloat16, tiny_blocks_exact=False
         )
         return WeightOperand(values, (R * C, 1, C), factor=factor)
+
+
+def _in_place(w: Tensor, dgrad: bool) -> WeightOperand:
+    """The weight w (E, R, C) as B of the forward GEMM (B(n, k) = w[e, n, k]) or of the dgrad
+    (B(n, k) = w[e, k, n]), read where it lies. w is contiguous, or the transposed view of a
+    contiguous (E, C, R) tensor (transformers' is_transposed experts; _validate.weight_is_transposed).
+    ``b`` is always the contiguous tensor itself, with dims (E, N, K) when K is its last (K-major:
+    the forward of a contiguous weight, the dgrad of a transposed one), else (E, K, N): the two
+    shapes the TMA descriptors of launch_grouped_gemm take."""
+    stored = w if w.is_contiguous() else w.transpose(1, 2)  # contiguous (E, A, B)
+    _, A, B = stored.shape
+    k_major = w.is_contiguous() != dgrad
+    return WeightOperand(stored, (A * B, B, 1) if k_major else (A * B, 1, B))
 
 
 def _tiles_quantized(w: Tensor, recipe, codes: Tensor, codes_t: Tensor, scales: Tensor):
@@ -319,12 +332,27 @@ def wgrad(
     probs: Optional[Tensor] = None,  # (M,): db = Σ g·probs with scale_bias
     scale_bias: bool = False,
     blocks: Optional[WgradBlocks] = None,  # shared by the wgrads of one backward; None: computed here
+    transposed: bool = False,  # dW stored as a contiguous (E, Q, P), returned as its (E, P, Q) view
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """(dW, db): dW (E, P, Q) in dw_dtype, dW[e] = g[R_e]ᵀ @ x[R_e] (None without x), db = Σ_{R_e}
     g (· probs) in bias's dtype (None without bias). Without a recipe one launch computes both; under
     a recipe dW takes both operands quantized along the rows in blocks that restart at each expert's
     first row (g is the gradient: nvfp4's stochastic rounding applies to it), and db comes from g
-    rounded to the compute dtype, unquantized, as the reference does."""
+    rounded to the compute dtype, unquantized, as the reference does.
+
+    ``transposed`` (the gradient of a transposed-layout weight, _validate.weight_is_transposed):
+    the same launches with the operands' roles swapped, dWᵀ[e] = x[R_e]ᵀ @ g[R_e] into a contiguous
+    (E, Q, P) tensor, returned as its transposed view; db then takes a launch of its own."""
+    if transposed and x is not None:
+        if recipe is not None:
+            # Under a recipe grouped_mlp copies weights to contiguous ones (the quantizers take them).
+            raise ValueError("transposed: a recipe's weight gradients take contiguous weights")
+        dw_t, _ = wgrad(x, g, splits, None, dtype=dtype, dw_dtype=dw_dtype)
+        db = None
+        if bias is not None:
+            db = wgrad(g, None, splits, None, dtype=dtype, dw_dtype=dw_dtype, bias=bias, probs=probs,
+                       scale_bias=scale_bias)[1]  # fmt: skip
+        return dw_t.transpose(1, 2), db
     # the recipe's operands first (quantized along the rows), then the launches
     native = is_native(recipe)
     db = torch.empty_like(bias) if bias is not None else None

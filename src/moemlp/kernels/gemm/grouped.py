@@ -77,8 +77,14 @@ def grouped_gemm_kernel(
     FP8: tl.constexpr,  # e4m3 codes of A and B with block scales (fp8_block): promoted 128-deep steps
     ACC_SCALE: tl.constexpr,
     B_SCALE_SCALAR: tl.constexpr,  # FP8: every column of a tile has the same B scale
+    PAIRED: tl.constexpr,  # FC1 with G == 1 (gate and up alternate column by column): see below
 ):
     TWO_ACC: tl.constexpr = GLU and EPILOGUE == FC1  # gate and up columns of one F block
+    # PAIRED: one (BM, 2·BN) accumulator over the 2·BN consecutive W1 rows of the tile's BN gate/up
+    # pairs, one contiguous B load per K step (TMA-able in either weight layout), split into gate
+    # and up after the K loop; rather than two loads of every other W1 row, which the copy engine
+    # cannot express and which read every other element along a weight stored (E, H, N1).
+    tl.static_assert(not PAIRED or (TWO_ACC and not FP8), "PAIRED: FC1 with a GLU, not FP8")
     pid = tl.program_id(0)
     idx, starts, ends, tiles, tile_cum = expert_table(splits_ptr, E, M, E_BLOCK, BM)
     total_rows = tl.max(ends)
@@ -109,8 +115,11 @@ def grouped_gemm_kernel(
         rows = row_start + tl.arange(0, BM)
         row_mask = rows < row_end
 
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if TWO_ACC:
+        if PAIRED:
+            acc2 = tl.zeros((BM, 2 * BN), dtype=tl.float32)  # columns: gate f0, up f0, gate f0 + 1, ...
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if TWO_ACC and not PAIRED:
             acc_up = tl.zeros((BM, BN), dtype=tl.float32)
         if FP8:
             tl.static_assert(BK == 128, "FP8: a K step is exactly one 128-deep scale block")
@@ -139,40 +148,54 @@ def grouped_gemm_kernel(
             # the next expert that a tile's last rows read are computed and never stored, and
             # columns past N likewise (the gate tile of the last F block may reach into up columns).
             n_b0 = tn * BN
-            if TWO_ACC:
+            if PAIRED:
+                n_b0 = 2 * tn * BN
+            elif TWO_ACC:
                 n_b0 = (n_b0 // G) * (2 * G) + n_b0 % G  # the host asks G == F or G % BN == 0
         else:
             rows64 = rows.to(tl.int64)  # M·K overflows int32 at 128k rows × 16k columns
-            offs_n = tn * BN + tl.arange(0, BN)
-            n_mask = offs_n < N
-            if TWO_ACC:
-                n_b = (offs_n // G) * (2 * G) + offs_n % G  # gate row of f in W1; up row = + G
+            if PAIRED:
+                n_b = 2 * tn * BN + tl.arange(0, 2 * BN)  # W1 rows of gate f, up f for the tile's f
+                n_mask = n_b < N1
             else:
-                n_b = offs_n
+                offs_n = tn * BN + tl.arange(0, BN)
+                n_mask = offs_n < N
+                if TWO_ACC:
+                    n_b = (offs_n // G) * (2 * G) + offs_n % G  # gate row of f in W1; up row = + G
+                else:
+                    n_b = offs_n
             b_base = b_ptr + e.to(tl.int64) * stride_be
             a_ptrs = a_ptr + rows64[:, None] * K + offs_k[None, :]
             b_ptrs = b_base + n_b[None, :] * stride_bn + offs_k[:, None] * stride_bk
         for kk in range(0, k_iters):
             if USE_TMA:
                 a = a_desc.load([row_start, kk * BK])
-                if B_KMAJOR:
+                if PAIRED:
+                    if B_KMAJOR:
+                        b = tl.trans(b_desc.load([e, n_b0, kk * BK]).reshape(2 * BN, BK))
+                    else:
+                        b = b_desc.load([e, kk * BK, n_b0]).reshape(BK, 2 * BN)
+                elif B_KMAJOR:
                     b = tl.trans(b_desc.load([e, n_b0, kk * BK]).reshape(BN, BK))
                 else:
                     b = b_desc.load([e, kk * BK, n_b0]).reshape(BK, BN)
-                if TWO_ACC:
-                    b_up = tl.trans(b_desc.load([e, n_b0 + G, kk * BK]).reshape(BN, BK))
+                if TWO_ACC and not PAIRED:
+                    if B_KMAJOR:
+                        b_up = tl.trans(b_desc.load([e, n_b0 + G, kk * BK]).reshape(BN, BK))
+                    else:
+                        b_up = b_desc.load([e, kk * BK, n_b0 + G]).reshape(BK, BN)
             else:
                 k_mask = offs_k < K - kk * BK
                 a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                if TWO_ACC:
+                if TWO_ACC and not PAIRED:
                     b_up = tl.load(b_ptrs + G * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
                 a_ptrs += BK
                 b_ptrs += BK * stride_bk
             if INTERPRETED:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-                if TWO_ACC:
+                if TWO_ACC and not PAIRED:
                     b_up = b_up.to(tl.float32)
             if FP8:
                 # Scales of this step, loaded in it: loading them one step ahead changed the four FC1
@@ -183,10 +206,17 @@ def grouped_gemm_kernel(
                 if TWO_ACC:
                     b_su = _b_scale(b_su_ptrs + kk * stride_bsk, ns_mask, B_SCALE_SCALAR)
                     acc_up += _fp8_product(a, b_up, a_s, b_su, B_SCALE_SCALAR)
+            elif PAIRED:
+                acc2 = tl.dot(a, b, acc2, input_precision=DOT_PRECISION)
             else:
                 acc = _accumulate(a, b, acc, unit, PROMOTE, DOT_PRECISION)
                 if TWO_ACC:
                     acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+
+        if PAIRED:
+            # Even columns are the gates, odd the ups; each thread of the MMA layout holds
+            # adjacent column pairs, so the split moves no data between threads.
+            acc, acc_up = acc2.reshape(BM, BN, 2).split()
 
         if ACC_SCALE:
             f = tl.load(acc_scale_ptr)

@@ -221,8 +221,16 @@ def launch_grouped_gemm(
     glu = cfg is not None and cfg.glu
     config = config or default_config(kind, N, K, glu, a.element_size(), fp8=fp8, emulated=emulated)
     glu_gather = glu and epilogue == FC1.value
+    b_kmajor = b_strides[2] == 1
+    # Gate and up column by column (gpt-oss): the tile's BN pairs as one B load of 2·BN rows, which
+    # TMA can box; two loads of every other row it cannot. Compiled for sm_90 at FC1's tile (128×128,
+    # 8 warps, 3 stages): paired on TMA m64n256 wgmma, 242-253 registers, no spills, either weight
+    # layout. On pointer loads the paired tile spills (77 local loads) where the two gathers spill
+    # more (126) for an N-major weight, and 2 where they spill none for a K-major one.
+    pairs = glu_gather and cfg.glu_interleave == 1 and not fp8
     use_tma = _tma_ok(a, b) and (
         not glu_gather
+        or pairs
         or N % cfg.glu_interleave == 0
         and (cfg.glu_interleave == N or cfg.glu_interleave % config.BN == 0)
     )
@@ -245,13 +253,14 @@ def launch_grouped_gemm(
     # cfg None: a plain GEMM (FC2's epilogue without probs: out = acc (+ bias)), no activation
     params = tuple(cfg.activation_params) + (0.0,) * (3 - len(cfg.activation_params)) if cfg else (0.0,) * 3
     dummy = a  # never dereferenced: the constexpr flags switch its loads and stores off
-    b_kmajor = b_strides[2] == 1
+    paired = pairs and (use_tma or not b_kmajor)
     bound = (triton.cdiv(M, config.BM) + E + 1) * triton.cdiv(N, config.BN)
     programs = _num_programs(a.device, bound)
     a_desc = b_desc = None
     if use_tma:
         a_desc = TensorDescriptor.from_tensor(a, [config.BM, config.BK])
-        b_block = [1, config.BN, config.BK] if b_kmajor else [1, config.BK, config.BN]
+        b_rows = 2 * config.BN if paired else config.BN  # paired: gate and up rows of BN columns
+        b_block = [1, b_rows, config.BK] if b_kmajor else [1, config.BK, b_rows]
         b_desc = TensorDescriptor.from_tensor(b, b_block)
     grouped_gemm_kernel[(programs,)](
         a, b, a_desc, b_desc, splits,
@@ -297,6 +306,7 @@ def launch_grouped_gemm(
         FP8=fp8,
         ACC_SCALE=acc_scale is not None,
         B_SCALE_SCALAR=fp8 and 128 % config.BN == 0 and (not glu_gather or cfg.glu_interleave % config.BN == 0),
+        PAIRED=paired,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
