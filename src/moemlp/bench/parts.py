@@ -32,6 +32,7 @@ import torch
 from .._config import MLPConfig
 from ..activations import ACTIVATIONS
 from .common import device_description, print_table, routed_problem, time_ms, write_csv
+from .peers import _grouped_mm_ok
 
 __all__ = ["run_parts_bench", "GEMMS"]
 
@@ -44,12 +45,6 @@ def _gluon_ready(device: torch.device) -> bool:
     from ..kernels.gluon import is_available
 
     return is_available(device)
-
-
-def _grouped_mm_ready(x: torch.Tensor) -> bool:
-    return (
-        hasattr(torch, "_grouped_mm") and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
-    )
 
 
 def run_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int) -> list[dict]:
@@ -106,7 +101,7 @@ def run_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int) -> 
         for fn in (fc1, fc2, fc2_dgrad, fc1_dgrad, fc1_wgrad, fc2_wgrad):
             fn()
         offs = torch.cumsum(splits, 0).to(torch.int32)
-        grouped = _grouped_mm_ready(x)
+        grouped = _grouped_mm_ok(x)
         # (kernel, peer, gluon, dense A, dense B): the dense mm has the GEMM's FLOPs
         parts = {
             "fc1": (fc1, lambda: torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
