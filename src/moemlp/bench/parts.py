@@ -20,7 +20,7 @@ the weight gradients. ``grouped_mm`` is the plain GEMM with no epilogue (what th
 runs before its separate elementwise ops). ``gluon`` is the Gluon engine on the same GEMM with the
 weights read in place and no epilogue: bf16 C for fc1, fc2 and fc1_dgrad; for fc2_dgrad the fp32 g_z
 with each 64-deep product promoted (what dprobs' accuracy needs), so that column is the engine's
-speed on the GEMM an unfused FC2_DGRAD would run, not a path moemlp runs today.
+speed on the GEMM an unfused FC2_DGRAD would run, not a path moemlp takes.
 """
 
 from __future__ import annotations
