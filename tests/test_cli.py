@@ -2,8 +2,11 @@
 command line's own errors."""
 
 import csv
+import math
+import time
 
 import pytest
+import torch
 
 from moemlp.__main__ import main
 
@@ -103,3 +106,37 @@ def test_bench_parts_gpu(tmp_path, capsys):
     for r in rows:
         assert 0 < float(r["moemlp_pct_mm"]) < 1000 and float(r["mm_tflops"]) > 0
     assert "% of a dense torch.mm" in capsys.readouterr().out
+
+
+def test_gpu_time_is_nan_off_a_gpu():
+    from moemlp.bench.common import gpu_time_ms
+
+    assert math.isnan(gpu_time_ms(lambda: None, torch.device("cpu")))
+
+
+@pytest.mark.gpu
+def test_gpu_time_hides_the_host_and_keeps_the_kernels():
+    """gpu_time_ms: a host-bound call (many tiny kernels, a slow host between them) measures far
+    below its wall time, while a call of one long kernel measures that kernel's time."""
+    from moemlp.bench.common import _sleep_cycles_per_ms, gpu_time_ms
+
+    device = torch.device("cuda")
+    x = torch.zeros(16, device=device)
+
+    def host_bound():
+        for _ in range(50):
+            x.add_(1.0)
+            time.sleep(2e-4)  # 10 ms of host time around 50 kernels of a few µs
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    host_bound()
+    end.record()
+    end.synchronize()
+    wall = start.elapsed_time(end)
+    gpu = gpu_time_ms(host_bound, device, iters=5, warmup=1)
+    assert wall > 10.0 and gpu < 0.2 * wall, (wall, gpu)
+
+    cycles = int(5.0 * _sleep_cycles_per_ms(device))  # a 5 ms kernel
+    long = gpu_time_ms(lambda: torch.cuda._sleep(cycles), device, iters=5, warmup=1)
+    assert 4.5 < long < 5.5, long

@@ -470,6 +470,7 @@ def test_hf_bench_smoke(tmp_path):
     for r in rows:
         assert r["moe_block_ms"] > 0 and r["model_ms"] > 0
         assert r["rel_diff_block_out"] < 2e-2
+        assert r["model_gpu_ms"] != r["model_gpu_ms"]  # NaN off a GPU: GPU time is not measured there
     assert (tmp_path / "hf_bench.csv").exists()
 
 

@@ -45,6 +45,11 @@ def test_moe_bench_cpu(tmp_path, capsys):
         assert speedup == pytest.approx(lean_ms / float(r["layer_ms"]))
         assert 0 <= err <= LEAN_TOLERANCE
     assert two["lean_layer_ms"] == two["speedup"] == two["lean_max_err"] == ""  # no peer with EP
+    # GPU time (queue preloaded) is one-device only and NaN off a GPU: never a host time in its place.
+    for r in (one, features):
+        for key in ("layer_gpu_ms", "lean_layer_gpu_ms", "speedup_gpu", "dispatch_gpu_pct", "experts_gpu_pct"):
+            assert math.isnan(float(r[key])), key
+    assert two["layer_gpu_ms"] == two["dispatch_gpu_pct"] == ""
     out = capsys.readouterr().out
     assert "dist_busbw_GBps" in out
     # The layer's table comes last, with the peer and the phases.

@@ -121,6 +121,55 @@ def median_ms(fn: Callable[[], object], device: torch.device, *, warmup_ms=25, r
     return time_ms(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms).median
 
 
+_SLEEP_CYCLES_PER_MS: dict[int, float] = {}
+
+
+def _sleep_cycles_per_ms(device: torch.device) -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per millisecond on ``device``, measured once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SLEEP_CYCLES_PER_MS:
+        cycles = 10_000_000
+        torch.cuda._sleep(cycles // 10)  # the kernel's first launch out of the way
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_MS[index] = cycles / start.elapsed_time(end)
+    return _SLEEP_CYCLES_PER_MS[index]
+
+
+def gpu_time_ms(fn: Callable[[], object], device: torch.device, *, iters: int = 20, warmup: int = 3) -> float:
+    """Median GPU time of ``fn()`` with the host's launch time hidden, or NaN off a GPU.
+
+    A call timed alone from an empty queue counts the host's time too: the GPU waits while Python
+    and the launchers enqueue each kernel. In a model of many layers the host runs ahead and that
+    time overlaps the GPU's work on earlier layers. Here each sample first queues a sleep kernel
+    longer than ``fn``'s host time, then the start event, then ``fn()``: when the GPU reaches the
+    start event every kernel of ``fn`` is queued, and the sample is the kernels' time back to back.
+    A host synchronisation inside ``fn`` waits out the sleep and exposes the host again, so the
+    result is never below the GPU's work; it is at most the wall time of ``fn`` alone."""
+    if device.type != "cuda":
+        return float("nan")
+    host = 0.0
+    for _ in range(max(1, warmup)):
+        t0 = time.perf_counter()
+        fn()
+        host = max(host, (time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize(device)
+    sleep_cycles = int((2.0 * host + 2.0) * _sleep_cycles_per_ms(device))
+    times = []
+    for _ in range(iters):
+        torch.cuda._sleep(sleep_cycles)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def fwd_and_fwd_bwd(fn, leaves, dy, device: torch.device, rep_ms: int) -> tuple[Timing, Timing]:
     """Timings of ``fn()`` under no_grad, and of ``fn()`` plus autograd.grad of ``leaves`` with ``dy``."""
     with torch.no_grad():
