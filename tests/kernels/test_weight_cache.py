@@ -22,7 +22,7 @@ import _triton_env
 import moemlp
 from _cases import GRAD_NAMES, make_problem, run
 from moemlp import _quantized_weights as qwm
-from moemlp.recipes import recipe
+from moemlp.recipes import from_key, recipe
 
 interpreted = pytest.mark.skipif(
     not _triton_env.RUN_CPU_CASES,
@@ -253,6 +253,39 @@ def test_torch_backend_checks_and_ignores_quantized_weights():
         assert torch.equal(g0[name], g1[name]), name
     with pytest.raises(ValueError, match="quantized under recipe"):
         run(p, backend="torch", recipe="mxfp8", quantized_weights=qw)
+
+
+def test_weight_from_dequantized_checks_its_operands():
+    # What the ops receive is a list of tensors: each cached operand is checked against the weight.
+    from moemlp.kernels import operands
+
+    mx, nv = from_key("mxfp8"), from_key("nvfp4")
+    w = torch.zeros(2, 48, 40, dtype=torch.bfloat16)
+    values, no_factor, factor = torch.zeros(2, 48, 40, dtype=torch.bfloat16), torch.empty(0), torch.ones(())
+    weight = operands.Weight.from_dequantized(w, nv, forward=(values, factor), dgrad=(values, factor))
+    op = weight.dgrad()  # no dequantizing pass: the cached tensors themselves
+    assert op.b is values and op.factor is factor and op.strides == (48 * 40, 1, 40)
+    op = operands.Weight.from_dequantized(w, mx, forward=(values, no_factor)).forward()
+    assert op.b is values and op.factor is None and op.strides == (48 * 40, 40, 1)
+    with pytest.raises(ValueError, match=r"values: expected shape \(2, 48, 40\)"):
+        operands.Weight.from_dequantized(w, mx, forward=(values.transpose(1, 2).contiguous(), no_factor))
+    with pytest.raises(TypeError, match="values: expected torch.bfloat16"):
+        operands.Weight.from_dequantized(w, mx, dgrad=(values.float(), no_factor))
+    with pytest.raises(ValueError, match="values: expected a contiguous"):
+        t = torch.zeros(2, 40, 48, dtype=torch.bfloat16).transpose(1, 2)
+        operands.Weight.from_dequantized(w, mx, dgrad=(t, no_factor))
+    with pytest.raises(ValueError, match="factor: nvfp4.* expects a 0-d float32 1/S_enc on cpu, got none"):
+        operands.Weight.from_dequantized(w, nv, forward=(values, no_factor))
+    with pytest.raises(ValueError, match="factor: mxfp8 has no per-tensor factor"):
+        operands.Weight.from_dequantized(w, mx, forward=(values, factor))
+    with pytest.raises(ValueError, match="dequantized values under mxfp8 or nvfp4 only"):
+        operands.Weight.from_dequantized(w, FP8, forward=(values, no_factor))
+    # the flat lists: four tensors per weight for a forward, two for a backward
+    with pytest.raises(ValueError, match="quantized: expected forward values and factor, dgrad values and factor "
+                                         "of each of 2 weights, got 6 tensors"):  # fmt: skip
+        operands.cached_weights((w, w), mx, [values, no_factor, values] * 2)
+    with pytest.raises(ValueError, match="saved: expected the dgrad values and factor of each of 2 weights"):
+        operands.dgrad_weights((w, w), nv, [values, factor])
 
 
 # --- the custom ops and torch.compile ------------------------------------------------------------
