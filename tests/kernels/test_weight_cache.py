@@ -7,7 +7,7 @@ Checked here, for each recipe: y and every gradient are bit for bit those of qua
 (the same operands reach the same kernels), with recompute_fc1 and without a backward too; a forward
 + backward with the cache runs no weight pass (``quantize_weight`` for fp8_block, two without;
 ``dequantized_weight`` for mxfp8 / nvfp4, four without); GroupedMLP's True / False / False sequence
-under fp8_block (the passes all in the True call, the bits of None); the Triton quantizer and the torch reference
+(the passes all in the True call, the bits of None); the Triton quantizer and the torch reference
 fallback give the same tensors; the host checks (a weight changed in place, another recipe, another
 weight, False with nothing cached) and those of a Weight built from cached values; the forward and
 FC1 ops' fake implementations (opcheck) and ``torch.compile(fullgraph=True)``.
@@ -250,9 +250,16 @@ def test_cpu_module_is_first_microbatch(quantize_weight_calls):
     check_module("cpu", "fp8_block", quantize_weight_calls)
 
 
+@interpreted
+@pytest.mark.parametrize("recipe_name", EMULATED)
+def test_cpu_module_is_first_microbatch_emulated(recipe_name, dequantized_weight_calls):
+    check_module("cpu", recipe_name, dequantized_weight_calls)
+
+
 @pytest.mark.gpu
-def test_gpu_module_is_first_microbatch():
-    check_module("cuda")
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_gpu_module_is_first_microbatch(recipe_name):
+    check_module("cuda", recipe_name)
 
 
 # --- the host checks: they raise before any kernel runs (parent and child) --------------------------
@@ -339,22 +346,22 @@ def test_quantize_weights_checks_its_inputs():
 
 def test_module_is_first_microbatch_checks():
     p = _small_problem()
-    m = moemlp.GroupedMLP(num_experts=3, hidden_size=128, ffn_hidden_size=32, recipe="fp8_block", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="is_first_microbatch=False: no weights quantized yet"):
-        m(p.x, p.splits, p.probs, is_first_microbatch=False)
-    with pytest.raises(TypeError, match="is_first_microbatch: expected None or a bool"):
-        m(p.x, p.splits, p.probs, is_first_microbatch=1)
+    for r in RECIPES:
+        m = moemlp.GroupedMLP(num_experts=3, hidden_size=128, ffn_hidden_size=32, recipe=r, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="is_first_microbatch=False: no weights quantized yet"):
+            m(p.x, p.splits, p.probs, is_first_microbatch=False)
+        with pytest.raises(TypeError, match="is_first_microbatch: expected None or a bool"):
+            m(p.x, p.splits, p.probs, is_first_microbatch=1)
 
 
-def test_module_ignores_is_first_microbatch_without_fp8_block():
-    # No recipe, or an emulated one: nothing to cache, the flag is accepted and ignored (torch backend).
+def test_module_ignores_is_first_microbatch_without_a_recipe():
+    # Nothing to cache: the flag is accepted and ignored (torch backend).
     p = _small_problem()
-    for r in (None, "mxfp8"):
-        m = moemlp.GroupedMLP(num_experts=3, hidden_size=128, ffn_hidden_size=32, recipe=r, backend="torch", dtype=torch.bfloat16)
-        y = m(p.x, p.splits, p.probs)
-        for flag in (True, False):
-            assert torch.equal(m(p.x, p.splits, p.probs, is_first_microbatch=flag), y), (r, flag)
-        assert m.quantized_weights is None
+    m = moemlp.GroupedMLP(num_experts=3, hidden_size=128, ffn_hidden_size=32, backend="torch", dtype=torch.bfloat16)
+    y = m(p.x, p.splits, p.probs)
+    for flag in (True, False):
+        assert torch.equal(m(p.x, p.splits, p.probs, is_first_microbatch=flag), y), flag
+    assert m.quantized_weights is None
 
 
 @pytest.mark.parametrize("recipe_name", RECIPES)
