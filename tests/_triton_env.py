@@ -29,13 +29,16 @@ START_CHILD = not INTERPRET and not torch.cuda.is_available()
 CHILD_RESULTS: list[tuple[str, int, int]] = []
 
 
-def run_file_interpreted(test_file: str, timeout: int = 600) -> None:
-    """pytest ``test_file`` in a child process with TRITON_INTERPRET=1; fail with its output."""
+def run_file_interpreted(test_file: str, timeout: int = 600, keyword: str | None = None) -> None:
+    """pytest ``test_file`` in a child process with TRITON_INTERPRET=1; fail with its output.
+    ``keyword``: a ``pytest -k`` expression, so that a long file's cases can run in two children
+    (two parent tests, which ``-n`` runs side by side)."""
     here = os.path.dirname(os.path.abspath(test_file))
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
+    select = ["-k", keyword] if keyword else []
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, *select],
         env=env, capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(here),
     )
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-4000:]

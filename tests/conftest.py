@@ -34,6 +34,24 @@ def quantize_weight_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def dequantized_weight_calls(monkeypatch):
+    """(shape, dim) of every Triton ``dequantized_weight`` call: the weight passes of mxfp8 and nvfp4
+    (kernels.operands.Weight, moemlp._quantized_weights), which look it up on the module object at
+    each call, as ``quantize_weight_calls`` says."""
+    from moemlp.kernels.quant import api as kq
+
+    calls = []
+    original = kq.dequantized_weight
+
+    def counting(w, recipe, dim=-1, **kwargs):
+        calls.append((tuple(w.shape), dim))
+        return original(w, recipe, dim=dim, **kwargs)
+
+    monkeypatch.setattr(kq, "dequantized_weight", counting)
+    return calls
+
+
 def pytest_terminal_summary(terminalreporter):
     """Each TRITON_INTERPRET=1 child counts as one test above; say how many cases ran inside."""
     results = _triton_env.CHILD_RESULTS

@@ -1,7 +1,7 @@
 """torch.compile(fullgraph=True) computes what eager computes: y and every gradient, for
 ``grouped_mlp``, ``GroupedMLP`` and ``MoE``, on both backends, bf16 and fp32, without a recipe, with
-fp8_block, and with fp8_block's weights quantized once (``quantized_weights`` /
-``is_first_microbatch``).
+fp8_block, and with the weights quantized once (``quantized_weights`` / ``is_first_microbatch``)
+under fp8_block and under mxfp8 (dequantized values of both orientations).
 
 Why: on torch 2.11 a compiled ``MoE`` gave exactly zero gradients to x, the router and both expert
 weights, silently. The combine's autograd.Function returned ``acc.to(acc.dtype)``, a no-op alias,
@@ -29,14 +29,14 @@ from _cases import make_problem, rel_err
 CUDA = torch.cuda.is_available()
 
 ENTRIES = ("grouped_mlp", "GroupedMLP", "MoE")
-RECIPES = (None, "fp8_block", "fp8_block+cached")  # cached: weights quantized once, then reused
+RECIPES = (None, "fp8_block", "fp8_block+cached", "mxfp8+cached")  # cached: weights quantized once, then reused
 
 
 def _build(entry: str, backend: str, dtype, recipe_mode, device):
     """(fn, leaves, dy, warm): ``fn(*leaves)`` runs the entry; ``warm()`` runs whatever must happen
     eagerly first (quantizing the weights once, as is_first_microbatch=True does)."""
-    recipe = None if recipe_mode is None else "fp8_block"
-    cached = recipe_mode == "fp8_block+cached"
+    recipe = None if recipe_mode is None else recipe_mode.split("+")[0]
+    cached = recipe_mode is not None and recipe_mode.endswith("+cached")
     H, F = 128, 32  # fp8_block blocks 128 deep: H = 128 is one block
     if entry == "grouped_mlp":
         p = make_problem([9, 0, 14], H, F, capacity=2, bias=True, seed=12, dtype=dtype, device=device)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from . import reference
 from ._config import MLPConfig
+from ._quantized_weights import QuantizedWeights, cached_dgrad, cached_fc1
 from ._validate import validate_index_values, validate_inputs, validate_split_values, weight_is_transposed
 from ._x_index import RowIndex, gather_rows
 from .activations import ACTIVATIONS, resolve_activation
@@ -84,10 +85,11 @@ def _grouped_mlp_fwd_op(
     weight is quantized once per forward + backward. [] on the torch backend, under the other
     recipes, and when nothing is kept.
 
-    ``quantized_weights``: [] or ``QuantizedWeights.tensors()`` (fp8_block, Triton): the GEMMs read
-    those codes and nothing is quantized; ``saved`` is [] then, since an op's output may not alias
-    its input: _GroupedMLPFunction hands the cached codes_t and scales to the backward itself. The
-    torch backend ignores them (its qdq_weight of the same unchanged weights gives the same values)."""
+    ``quantized_weights``: [] or ``QuantizedWeights.tensors()`` (Triton): the GEMMs read those
+    operands (fp8_block's codes, mxfp8's / nvfp4's dequantized values) and no weight is quantized;
+    ``saved`` is [] then, since an op's output may not alias its input: _GroupedMLPFunction hands
+    the cached dgrad operands to the backward itself. The torch backend ignores them (its
+    qdq_weight of the same unchanged weights gives the same values)."""
     cfg = _make_config(activation, activation_params, glu_interleave, scale_fc2_bias, recipe)
     args = (x, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, cfg)
     if backend == "torch":
@@ -129,8 +131,9 @@ def _grouped_mlp_bwd_op(
     wgrad_fp32: bool,
     saved: list[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The six gradients; ``saved``: the forward op's, which the Triton backend reads instead of
-    quantizing the weights again (the torch backend has nothing to reuse: it gets none)."""
+    """The six gradients; ``saved``: the forward op's, or the dgrad operands of ``quantized_weights``,
+    which the Triton backend reads instead of quantizing the weights again (the torch backend has
+    nothing to reuse: it gets none)."""
     cfg = _make_config(activation, activation_params, glu_interleave, scale_fc2_bias, recipe)
     kw = {"wgrad_dtype": torch.float32} if wgrad_fp32 else {}
     if backend != "torch":
@@ -174,7 +177,7 @@ def _grouped_fc1_op(
     fc1_quantized: list[Tensor],
 ) -> Tensor:
     """h alone, recomputed in backward when recompute_fc1=True (forward kept only x).
-    ``fc1_quantized``: [] or W1's codes, codes_t and scales from quantize_weights (Triton only)."""
+    ``fc1_quantized``: [] or W1's tensors of ``QuantizedWeights.tensors()`` (Triton only)."""
     cfg = _make_config(activation, activation_params, glu_interleave, scale_fc2_bias, recipe)
     if backend == "torch":
         return reference.grouped_fc1(x, splits, fc1_weight, fc1_bias, cfg)
@@ -234,14 +237,15 @@ class _GroupedMLPFunction(torch.autograd.Function):
         )
         fc1_quantized = []
         if quantized_weights:
-            # quantize_weights' tensors: the backward's dgrads read the cached codes_t and scales (the
-            # op returns none, its outputs may not alias its inputs), recompute_fc1's FC1 the codes.
-            c1, c1_t, s1, _, c2_t, s2 = quantized_weights
-            saved = [c1_t, s1, c2_t, s2] if any(keep_dgrad) else []
-            fc1_quantized = [c1, c1_t, s1] if recompute_fc1 else []
+            # quantize_weights' tensors: the backward's dgrads read the cached dgrad operands
+            # (fp8_block's codes_t and scales, mxfp8's / nvfp4's dgrad values and factor; the op
+            # returns none, its outputs may not alias its inputs), recompute_fc1's FC1 W1's.
+            saved = cached_dgrad(quantized_weights) if any(keep_dgrad) else []
+            fc1_quantized = cached_fc1(quantized_weights) if recompute_fc1 else []
         # Kept for backward: x, h (compute dtype), probs and the weights; a and z are recomputed.
         # With recompute_fc1, h is not kept either: backward runs FC1 again from x. Under fp8_block
-        # on Triton also the weights' dgrad codes (1 byte per element) and tile scales (saved).
+        # on Triton also the weights' dgrad codes (1 byte per element) and tile scales (saved), or
+        # with quantized_weights the cached dgrad operands, which the caller keeps alive anyway.
         ctx.save_for_backward(x, None if recompute_fc1 else h, splits, probs, fc1_weight, fc2_weight,
                               fc1_bias, fc2_bias, *fc1_quantized, *saved)
         ctx.num_fc1_quantized = len(fc1_quantized)
@@ -403,14 +407,15 @@ def grouped_mlp(
         accumulate_into_main_grad: add the weight gradients, computed in fp32, into each weight's
             fp32 ``main_grad`` (Megatron-Core's gradient-accumulation fusion) instead of ``.grad``.
         quantized_weights: a ``QuantizedWeights`` from ``moemlp.quantize_weights(fc1_weight,
-            fc2_weight, recipe)``, or None. fp8_block: the forward GEMMs and the backward's dgrads
-            read its codes, and no weight is quantized in the call's forward + backward; quantize
+            fc2_weight, recipe)``, or None. The forward GEMMs and the backward's dgrads read its
+            operands (fp8_block's codes; mxfp8's and nvfp4's dequantized bf16 values, both
+            orientations), and no weight is quantized in the call's forward + backward; quantize
             once per optimizer step and pass it to every micro-batch (the results are the same
             bits). Checked on the host, without a device sync: ``recipe`` must be the one it was
             quantized with, and the weights the very tensors quantized (same ``data_ptr``), unchanged
             since (same in-place version counter ``_version``): after an optimizer step this raises
             ValueError, quantize again (a fused optimizer, ``fused=True``, does not bump ``_version``:
-            its step goes unseen). Under ``torch.compiler.is_compiling()`` only shapes and
+            its step goes unseen). Under ``torch.compiler.is_compiling()`` only shapes, dtypes and
             devices are checked (a graph cannot read data_ptr or _version): a compiled step must
             itself quantize again after the weights change. The torch backend (backend='torch', or
             'auto' where Triton cannot run) checks it and then ignores it: the reference quantizes
@@ -480,8 +485,6 @@ def grouped_mlp(
         raise TypeError("recipe: block-scaled recipes take bf16, fp16 or fp32 inputs, got float64 x")
     quantized = []
     if quantized_weights is not None:
-        from ._quantized_weights import QuantizedWeights
-
         if not isinstance(quantized_weights, QuantizedWeights):
             raise TypeError(
                 f"quantized_weights: expected None or a QuantizedWeights from moemlp.quantize_weights, "

@@ -25,11 +25,13 @@ class GroupedMLP(nn.Module):
     ``recompute_fc1`` and ``accumulate_into_main_grad`` are passed to grouped_mlp (see there);
     with the latter, give each weight an fp32 ``main_grad`` before the first backward.
 
-    Gradient accumulation under fp8_block (TransformerEngine's ``is_first_microbatch``): pass
+    Gradient accumulation under a recipe (TransformerEngine's ``is_first_microbatch``): pass
     ``is_first_microbatch=True`` on an optimizer step's first micro-batch and False on the others;
     the weights are then quantized once per step (``moemlp.quantize_weights``, kept on the module
     as the plain attribute ``quantized_weights``, not in the state_dict) instead of in every
-    forward. The results are the same bits.
+    forward. The results are the same bits. It holds 2 bytes per weight element under fp8_block
+    (codes and transposed codes), 4 under mxfp8 and nvfp4 (two bf16 copies: the forward's and the
+    dgrad's dequantized values) for as long as it is kept.
     """
 
     def __init__(
@@ -89,8 +91,8 @@ class GroupedMLP(nn.Module):
         self.backend = backend
         self.recompute_fc1 = recompute_fc1
         self.accumulate_into_main_grad = accumulate_into_main_grad
-        # fp8_block tiles of both weights, set by forward(is_first_microbatch=True); a plain
-        # attribute: derived from the weights, so neither a parameter nor a buffer (not saved).
+        # Both weights' GEMM operands under the recipe, set by forward(is_first_microbatch=True); a
+        # plain attribute: derived from the weights, so neither a parameter nor a buffer (not saved).
         self.quantized_weights = None
         n1 = 2 * ffn_hidden_size if spec.glu else ffn_hidden_size
         kw = {"device": device, "dtype": dtype}
@@ -123,14 +125,13 @@ class GroupedMLP(nn.Module):
     ) -> Tensor:
         """y = grouped_mlp(x, splits, probs, the module's weights and options, x_index=x_index).
 
-        ``is_first_microbatch`` (TransformerEngine's semantics), under an fp8_block recipe:
-        None: quantize the weights in this call, as always. True: quantize them now, keep the result
-        on the module (``quantized_weights``) and use it. False: use the kept one, quantizing
-        nothing (ValueError when there is none; after an optimizer step without a True call since,
-        grouped_mlp finds the weights changed and raises, except after a fused optimizer's step, which
-        does not bump the weights' version counter). Without a recipe, or under mxfp8 / nvfp4
-        (whose forward and dgrad share no weight quantization), it is accepted and ignored, so that a
-        training loop can pass it whatever the recipe."""
+        ``is_first_microbatch`` (TransformerEngine's semantics), under a recipe (fp8_block, mxfp8,
+        nvfp4): None: quantize the weights in this call, as always. True: quantize them now, keep
+        the result on the module (``quantized_weights``) and use it. False: use the kept one,
+        quantizing nothing (ValueError when there is none; after an optimizer step without a True
+        call since, grouped_mlp finds the weights changed and raises, except after a fused
+        optimizer's step, which does not bump the weights' version counter). Without a recipe it is
+        accepted and ignored, so that a training loop can pass it whatever the recipe."""
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch: expected None or a bool, got {type(is_first_microbatch).__name__}")
         quantized = None
@@ -164,10 +165,8 @@ class GroupedMLP(nn.Module):
         )
 
     def _caches_weights(self) -> bool:
-        """Whether is_first_microbatch applies: the recipe is fp8_block."""
-        from .recipes import FP8BlockRecipe, resolve_recipe
-
-        return isinstance(resolve_recipe(self.recipe), FP8BlockRecipe)
+        """Whether is_first_microbatch applies: a recipe quantizes the weights."""
+        return self.recipe is not None
 
     def extra_repr(self) -> str:
         return (

@@ -1,13 +1,16 @@
-"""fp8_block weights quantized once per optimizer step: ``moemlp.quantize_weights`` and
-``grouped_mlp(..., quantized_weights=)`` / ``GroupedMLP.forward(..., is_first_microbatch=)``.
+"""Weights quantized once per optimizer step: ``moemlp.quantize_weights`` and ``grouped_mlp(...,
+quantized_weights=)`` / ``GroupedMLP.forward(..., is_first_microbatch=)``, under fp8_block (the
+tiles: codes, codes_t, scales) and under mxfp8 and nvfp4 (the dequantized bf16 values of both
+orientations).
 
-Checked here: y and every gradient are bit for bit those of quantizing in the call (the same codes
-reach the same kernels), with recompute_fc1 and without a backward too; a forward + backward with
-the cached tiles calls ``quantize_weight`` zero times (two without); GroupedMLP's True / False /
-False sequence (2, 0, 0 calls, the bits of None); the Triton quantizer and the torch reference
-fallback give the same codes; the host checks (a weight changed in place, another recipe, mxfp8,
-False with nothing cached); the forward and FC1 ops' fake implementations (opcheck) and
-``torch.compile(fullgraph=True)``.
+Checked here, for each recipe: y and every gradient are bit for bit those of quantizing in the call
+(the same operands reach the same kernels), with recompute_fc1 and without a backward too; a forward
++ backward with the cache runs no weight pass (``quantize_weight`` for fp8_block, two without;
+``dequantized_weight`` for mxfp8 / nvfp4, four without); GroupedMLP's True / False / False sequence
+(the passes all in the True call, the bits of None); the Triton quantizer and the torch reference
+fallback give the same tensors; the host checks (a weight changed in place, another recipe, another
+weight, False with nothing cached) and those of a Weight built from cached values; the forward and
+FC1 ops' fake implementations (opcheck) and ``torch.compile(fullgraph=True)``.
 
 On a CPU-only machine the kernel cases run under TRITON_INTERPRET=1 in a child pytest
 (tests/_triton_env.py); the checks that raise before any kernel runs also run in the parent.
@@ -22,7 +25,7 @@ import _triton_env
 import moemlp
 from _cases import GRAD_NAMES, make_problem, run
 from moemlp import _quantized_weights as qwm
-from moemlp.recipes import recipe
+from moemlp.recipes import from_key, recipe
 
 interpreted = pytest.mark.skipif(
     not _triton_env.RUN_CPU_CASES,
@@ -30,20 +33,57 @@ interpreted = pytest.mark.skipif(
 )
 
 FP8 = recipe("fp8_block")
+RECIPES = ("fp8_block", "mxfp8", "nvfp4")
+EMULATED = ("mxfp8", "nvfp4")
+
+
+# The interpreted cases take minutes: fp8_block's and the emulated recipes' run in two children (every
+# mxfp8 / nvfp4 case names its recipe), side by side under pytest -n (the second child's parent test is
+# the file's last, so that xdist's first split of the file hands the two to different workers).
+_EMULATED_CASES = "mxfp8 or nvfp4"
 
 
 @pytest.mark.skipif(not _triton_env.START_CHILD, reason="runs the CPU cases in a child on a CPU-only machine")
 def test_cpu_cases_under_interpreter():
-    _triton_env.run_file_interpreted(__file__)
+    _triton_env.run_file_interpreted(__file__, keyword=f"not ({_EMULATED_CASES})")
 
 
-def _problem(case, device):
+def _problem(case, device, recipe_name="fp8_block"):
+    if recipe_name == "fp8_block":
+        if case == 0:
+            # GLU with capacity rows, an empty expert and biases: W1 (3, 64, 128), W2 (3, 128, 32)
+            return make_problem([11, 0, 19], 128, 32, capacity=2, bias=True, seed=3, device=device)
+        # unary activation in fp32, partial 128-tiles in every dim, no probs: W1 (3, 40, 72), W2 (3, 72, 40)
+        return make_problem([9, 1, 14], 72, 40, activation="gelu", dtype=torch.float32, probs_dtype=None, seed=5,
+                            device=device)  # fmt: skip
+    # mxfp8 / nvfp4 block 32 / 16 deep: H = 40 and F = 24 end in a partial block in both orientations
     if case == 0:
-        # GLU with capacity rows, an empty expert and biases: W1 (3, 64, 128), W2 (3, 128, 32)
-        return make_problem([11, 0, 19], 128, 32, capacity=2, bias=True, seed=3, device=device)
-    # unary activation in fp32, partial 128-tiles in every dim, no probs: W1 (3, 40, 72), W2 (3, 72, 40)
-    return make_problem([9, 1, 14], 72, 40, activation="gelu", dtype=torch.float32, probs_dtype=None, seed=5,
-                        device=device)  # fmt: skip
+        # GLU with capacity rows, an empty expert and biases: W1 (3, 48, 40), W2 (3, 40, 24)
+        p = make_problem([5, 0, 4], 40, 24, capacity=2, bias=True, seed=3, device=device)
+    else:
+        # unary activation in fp32 (its values dequantized onto bf16), no probs: W1 (3, 24, 40), W2 (3, 40, 24)
+        p = make_problem([4, 1, 6], 40, 24, activation="gelu", dtype=torch.float32, probs_dtype=None, seed=5,
+                         device=device)  # fmt: skip
+    _wide_range_(p.fc1_weight, p.fc1_bias)
+    _wide_range_(p.fc2_weight, p.fc2_bias)
+    return p
+
+
+def _wide_range_(w, bias=None):
+    """Scale w (E, R, C) in place by 2^(-6·(r mod 4)) along its rows and 2^(-16·(c mod 2)) along its
+    columns, and the bias (E, R) of its outputs by the same row factors. mxfp8 rounds a value to
+    e4m3's 3 mantissa bits whatever its block's power-of-two scale, unless it lies some 2^15 below the
+    block's amax (e4m3's subnormals): with plain random weights its forward operand (blocks along C)
+    and dgrad operand (blocks along R) are the same values, and a cache that handed one GEMM the
+    other's would go unseen. Spread over 2^-34 they differ, and the outputs of the small rows, whose
+    bias is as small, show it."""
+    R, C = w.shape[1:]
+    rows = 2.0 ** (-6.0 * (torch.arange(R, device=w.device) % 4))
+    cols = 2.0 ** (-16.0 * (torch.arange(C, device=w.device) % 2))
+    with torch.no_grad():
+        w.mul_(rows[:, None] * cols[None, :])
+        if bias is not None:
+            bias.mul_(rows)
 
 
 def _leaves(p):
@@ -53,10 +93,11 @@ def _leaves(p):
     return p
 
 
-def check_bits(case, device):
-    p = _leaves(_problem(case, device))
-    kw = dict(backend="triton", recipe=FP8)
-    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, FP8)
+def check_bits(case, device, recipe_name="fp8_block"):
+    p = _leaves(_problem(case, device, recipe_name))
+    r = recipe(recipe_name)
+    kw = dict(backend="triton", recipe=r)
+    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, r)
     for extra in ({}, {"recompute_fc1": True}):
         y0, g0 = run(p, **kw, **extra)
         y1, g1 = run(p, **kw, **extra, quantized_weights=qw)
@@ -71,30 +112,44 @@ def check_bits(case, device):
 
 
 @interpreted
+@pytest.mark.parametrize("recipe_name", RECIPES)
 @pytest.mark.parametrize("case", [0, 1])
-def test_cpu_quantized_weights_give_the_same_bits(case):
-    check_bits(case, "cpu")
+def test_cpu_quantized_weights_give_the_same_bits(case, recipe_name):
+    check_bits(case, "cpu", recipe_name)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe_name", RECIPES)
 @pytest.mark.parametrize("case", [0, 1])
-def test_gpu_quantized_weights_give_the_same_bits(case):
-    check_bits(case, "cuda")
+def test_gpu_quantized_weights_give_the_same_bits(case, recipe_name):
+    check_bits(case, "cuda", recipe_name)
+
+
+def _same_bits(a, b):
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 @interpreted
+@pytest.mark.parametrize("recipe_name", RECIPES)
 @pytest.mark.parametrize("case", [0, 1])
-def test_cpu_triton_quantizer_and_torch_reference_agree(case):
-    # quantize_weights falls back to the torch reference (plus a transposing copy) where Triton
-    # cannot run: the same codes, codes_t and scales as the Triton quantizer's one pass.
-    p = _problem(case, "cpu")
+def test_cpu_triton_quantizer_and_torch_reference_agree(case, recipe_name):
+    # quantize_weights falls back to the torch reference where Triton cannot run (fp8_block: plus a
+    # transposing copy): the same tensors as the Triton quantizer's passes.
+    p = _problem(case, "cpu", recipe_name)
+    r = recipe(recipe_name)
+    prepare = qwm._quantize if r.native else qwm._dequantize
     for w in (p.fc1_weight, p.fc2_weight):
-        tri = qwm._quantize(w, FP8, use_triton=True)
-        ref = qwm._quantize(w, FP8, use_triton=False)
-        for name, a, b in zip(("codes", "codes_t", "scales"), tri, ref):
-            assert a.dtype == b.dtype and a.shape == b.shape and b.is_contiguous(), name
-            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name  # fmt: skip
+        tri = prepare(w, r, use_triton=True).tensors()
+        ref = prepare(w, r, use_triton=False).tensors()
+        assert len(tri) == len(ref) == (3 if r.native else 4)
+        for i, (a, b) in enumerate(zip(tri, ref)):
+            assert b.is_contiguous() and _same_bits(a, b), (recipe_name, i)
+    if recipe_name == "nvfp4":  # the factor of both orientations: 1/S_enc of the whole weight
+        assert tri[1].shape == () and torch.equal(tri[1], tri[3])
+    if recipe_name == "mxfp8":  # no factor: the ops' empty tensor
+        assert tri[1].numel() == 0 and tri[3].numel() == 0
 
 
 @interpreted
@@ -116,10 +171,48 @@ def test_cpu_no_quantize_weight_call_with_quantized_weights(quantize_weight_call
             assert torch.equal(g0[name], g1[name]), name
 
 
-def check_module(device, quantize_weight_calls=None):
-    p = make_problem([11, 0, 19], 128, 32, capacity=2, bias=True, seed=7, device=device)
-    m = moemlp.GroupedMLP(num_experts=3, hidden_size=128, ffn_hidden_size=32, bias=True, recipe="fp8_block", backend="triton", device=device,
-                          dtype=torch.bfloat16)  # fmt: skip
+def check_no_dequantized_weight_call(device, recipe_name, calls):
+    p = _leaves(_problem(0, device, recipe_name))
+    W1, W2 = tuple(p.fc1_weight.shape), tuple(p.fc2_weight.shape)
+    every_pass = sorted([(W1, -1), (W1, -2), (W2, -1), (W2, -2)])  # each weight in each orientation
+    kw = dict(backend="triton", recipe=recipe_name)
+    _, g0 = run(p, **kw)
+    assert sorted(calls) == every_pass  # without the cache: per GEMM, in every call
+
+    calls.clear()
+    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, recipe_name)
+    assert sorted(calls) == every_pass  # the same passes, once
+    for extra in ({}, {"recompute_fc1": True}):
+        calls.clear()
+        _, g1 = run(p, **kw, **extra, quantized_weights=qw)
+        assert calls == [], extra  # forward, dgrads and the recomputed FC1 read the cache
+        for name in g0:
+            assert torch.equal(g0[name], g1[name]), name
+
+
+@interpreted
+@pytest.mark.parametrize("recipe_name", EMULATED)
+def test_cpu_no_dequantized_weight_call_with_quantized_weights(recipe_name, dequantized_weight_calls):
+    check_no_dequantized_weight_call("cpu", recipe_name, dequantized_weight_calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe_name", EMULATED)
+def test_gpu_no_dequantized_weight_call_with_quantized_weights(recipe_name, dequantized_weight_calls):
+    check_no_dequantized_weight_call("cuda", recipe_name, dequantized_weight_calls)
+
+
+def check_module(device, recipe_name="fp8_block", weight_pass_calls=None):
+    """GroupedMLP with True, False, False against None: the same bits, every weight pass in the True
+    call (``weight_pass_calls``: fp8_block's quantize_weight calls, or mxfp8's / nvfp4's
+    dequantized_weight calls), a stale cache caught."""
+    H, F = (128, 32) if recipe_name == "fp8_block" else (40, 24)  # one 128-tile / partial 32- and 16-blocks
+    p = make_problem([11, 0, 19], H, F, capacity=2, bias=True, seed=7, device=device)
+    m = moemlp.GroupedMLP(num_experts=3, hidden_size=H, ffn_hidden_size=F, bias=True, recipe=recipe_name,
+                          backend="triton", device=device, dtype=torch.bfloat16)  # fmt: skip
+    if recipe_name != "fp8_block":
+        _wide_range_(m.fc1_weight, m.fc1_bias)
+        _wide_range_(m.fc2_weight, m.fc2_bias)
     params = [m.fc1_weight, m.fc2_weight, m.fc1_bias, m.fc2_bias]
 
     def step(flag):
@@ -130,18 +223,20 @@ def check_module(device, quantize_weight_calls=None):
     y_ref, g_ref = step(None)
     calls = []
     for flag in (True, False, False):
-        if quantize_weight_calls is not None:
-            quantize_weight_calls.clear()
+        if weight_pass_calls is not None:
+            weight_pass_calls.clear()
         y, g = step(flag)
-        if quantize_weight_calls is not None:
-            calls.append(len(quantize_weight_calls))
+        if weight_pass_calls is not None:
+            calls.append(len(weight_pass_calls))
         assert torch.equal(y, y_ref), flag
         for name, a, b in zip(("x", *GRAD_NAMES[2:]), g, g_ref):
             assert torch.equal(a, b), f"d{name} differs with is_first_microbatch={flag}"
     assert isinstance(m.quantized_weights, moemlp.QuantizedWeights)
+    assert m.quantized_weights.recipe_key == recipe(recipe_name).key
     assert not any("quantized" in k for k in m.state_dict())  # derived from the weights: not saved
-    if quantize_weight_calls is not None:
-        assert calls == [2, 0, 0]
+    if weight_pass_calls is not None:
+        # fp8_block: one pass per weight (both layouts); mxfp8 / nvfp4: one per weight and orientation
+        assert calls == [2 if recipe_name == "fp8_block" else 4, 0, 0]
     # An optimizer step without a True call since: the cache is stale.
     with torch.no_grad():
         m.fc2_weight.sub_(1e-3 * m.fc2_weight)
@@ -152,12 +247,19 @@ def check_module(device, quantize_weight_calls=None):
 
 @interpreted
 def test_cpu_module_is_first_microbatch(quantize_weight_calls):
-    check_module("cpu", quantize_weight_calls)
+    check_module("cpu", "fp8_block", quantize_weight_calls)
+
+
+@interpreted
+@pytest.mark.parametrize("recipe_name", EMULATED)
+def test_cpu_module_is_first_microbatch_emulated(recipe_name, dequantized_weight_calls):
+    check_module("cpu", recipe_name, dequantized_weight_calls)
 
 
 @pytest.mark.gpu
-def test_gpu_module_is_first_microbatch():
-    check_module("cuda")
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_gpu_module_is_first_microbatch(recipe_name):
+    check_module("cuda", recipe_name)
 
 
 # --- the host checks: they raise before any kernel runs (parent and child) --------------------------
@@ -167,23 +269,24 @@ def _small_problem():
     return make_problem([5, 0, 4], 128, 32, bias=True, seed=1)  # W1 (3, 64, 128), W2 (3, 128, 32)
 
 
-def test_stale_weights_raise():
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_stale_weights_raise(recipe_name):
     p = _small_problem()
-    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, FP8)
+    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, recipe_name)
     args = (p.x, p.splits, p.probs, p.fc1_weight, p.fc2_weight)
     with torch.no_grad():
         p.fc1_weight.add_(1)
     with pytest.raises(ValueError, match=r"fc1_weight changed since it was quantized \(optimizer step\?\)"):
-        moemlp.grouped_mlp(*args, recipe=FP8, quantized_weights=qw)
+        moemlp.grouped_mlp(*args, recipe=recipe_name, quantized_weights=qw)
     # Another tensor with the same values (a copy, a reallocated parameter) is not the one quantized.
-    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, FP8)
+    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, recipe_name)
     with pytest.raises(ValueError, match="fc2_weight changed since it was quantized"):
-        moemlp.grouped_mlp(*args[:4], p.fc2_weight.detach().clone(), recipe=FP8, quantized_weights=qw)
+        moemlp.grouped_mlp(*args[:4], p.fc2_weight.detach().clone(), recipe=recipe_name, quantized_weights=qw)
     # An optimizer step (foreach, as torch picks on CUDA by default) bumps the version counter.
     p.fc2_weight.grad = torch.ones_like(p.fc2_weight)
     torch.optim.SGD([p.fc2_weight], lr=0.1, foreach=True).step()
     with pytest.raises(ValueError, match="fc2_weight changed since it was quantized"):
-        moemlp.grouped_mlp(*args, recipe=FP8, quantized_weights=qw)
+        moemlp.grouped_mlp(*args, recipe=recipe_name, quantized_weights=qw)
 
 
 def test_recipe_must_match():
@@ -200,106 +303,178 @@ def test_recipe_must_match():
         moemlp.grouped_mlp(p.x, p.splits[:2], p.probs, w1, p.fc2_weight[:2], recipe=FP8, quantized_weights=qw)
 
 
+def test_emulated_recipe_must_match():
+    # mxfp8 and nvfp4 dequantize onto the same bf16 shapes: only the recipe key tells their caches apart.
+    p = _small_problem()
+    args = (p.x, p.splits, p.probs, p.fc1_weight, p.fc2_weight)
+    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, "mxfp8")
+    for other in ("nvfp4", "fp8_block", None):
+        with pytest.raises(ValueError, match="quantized_weights: quantized under recipe 'mxfp8'"):
+            moemlp.grouped_mlp(*args, recipe=other, quantized_weights=qw)
+    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, "nvfp4")
+    for other in ("mxfp8", recipe("nvfp4", hadamard=True)):  # any other option: another recipe
+        with pytest.raises(ValueError, match="quantized_weights: quantized under recipe 'nvfp4:hadamard=0"):
+            moemlp.grouped_mlp(*args, recipe=other, quantized_weights=qw)
+    # The weights' dtype is part of what was quantized (an fp32 weight dequantizes to other values).
+    w1, w2 = p.fc1_weight.detach().float(), p.fc2_weight.detach().float()
+    with pytest.raises(ValueError, match=r"made from a fc1_weight of shape \(3, 64, 128\), torch.bfloat16 on cpu, "
+                                         r"got shape \(3, 64, 128\), torch.float32"):  # fmt: skip
+        moemlp.grouped_mlp(p.x.float(), p.splits, p.probs, w1, w2, recipe="nvfp4", quantized_weights=qw)
+
+
 def test_quantize_weights_checks_its_inputs():
     p = _small_problem()
     w1, w2 = p.fc1_weight, p.fc2_weight
-    for name in ("mxfp8", "nvfp4"):
-        with pytest.raises(ValueError, match="quantize_weights supports fp8_block only.*share no quantization"):
-            moemlp.quantize_weights(w1, w2, name)
-    with pytest.raises(ValueError, match="needs the fp8_block recipe"):
+    with pytest.raises(ValueError, match=r"needs the recipe the calls use \('fp8_block', 'mxfp8' or 'nvfp4'\)"):
         moemlp.quantize_weights(w1, w2, None)
+    with pytest.raises(ValueError, match="recipe: unknown recipe .int8."):
+        moemlp.quantize_weights(w1, w2, "int8")
     with pytest.raises(ValueError, match="fc1_weight: expected 3 dimensions"):
         moemlp.quantize_weights(w1[0], w2, FP8)
     with pytest.raises(ValueError, match=r"fc2_weight: expected shape \(E, H, F\) = \(3, 128, F\)"):
         moemlp.quantize_weights(w1, w2[:, :64], FP8)
     with pytest.raises(ValueError, match="N1 = 64 equal to F or 2F"):
-        moemlp.quantize_weights(w1, w2[..., :16], FP8)
+        moemlp.quantize_weights(w1, w2[..., :16], "mxfp8")
     with pytest.raises(TypeError, match="fc2_weight: expected dtype torch.bfloat16"):
         moemlp.quantize_weights(w1, w2.float(), FP8)
-    with pytest.raises(TypeError, match="fc1_weight: expected dtype bfloat16, float16 or float32"):
-        moemlp.quantize_weights(w1.double(), w2.double(), FP8)
+    for name in RECIPES:
+        with pytest.raises(TypeError, match=f"fc1_weight: expected dtype bfloat16, float16 or float32 for {name}"):
+            moemlp.quantize_weights(w1.double(), w2.double(), name)
     with pytest.raises(TypeError, match="fc1_weight: expected a torch.Tensor"):
-        moemlp.quantize_weights(None, w2, FP8)
+        moemlp.quantize_weights(None, w2, "nvfp4")
 
 
 def test_module_is_first_microbatch_checks():
     p = _small_problem()
-    m = moemlp.GroupedMLP(num_experts=3, hidden_size=128, ffn_hidden_size=32, recipe="fp8_block", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="is_first_microbatch=False: no weights quantized yet"):
-        m(p.x, p.splits, p.probs, is_first_microbatch=False)
-    with pytest.raises(TypeError, match="is_first_microbatch: expected None or a bool"):
-        m(p.x, p.splits, p.probs, is_first_microbatch=1)
+    for r in RECIPES:
+        m = moemlp.GroupedMLP(num_experts=3, hidden_size=128, ffn_hidden_size=32, recipe=r, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="is_first_microbatch=False: no weights quantized yet"):
+            m(p.x, p.splits, p.probs, is_first_microbatch=False)
+        with pytest.raises(TypeError, match="is_first_microbatch: expected None or a bool"):
+            m(p.x, p.splits, p.probs, is_first_microbatch=1)
 
 
-def test_module_ignores_is_first_microbatch_without_fp8_block():
-    # No recipe, or an emulated one: nothing to cache, the flag is accepted and ignored (torch backend).
+def test_module_ignores_is_first_microbatch_without_a_recipe():
+    # Nothing to cache: the flag is accepted and ignored (torch backend).
     p = _small_problem()
-    for r in (None, "mxfp8"):
-        m = moemlp.GroupedMLP(num_experts=3, hidden_size=128, ffn_hidden_size=32, recipe=r, backend="torch", dtype=torch.bfloat16)
-        y = m(p.x, p.splits, p.probs)
-        for flag in (True, False):
-            assert torch.equal(m(p.x, p.splits, p.probs, is_first_microbatch=flag), y), (r, flag)
-        assert m.quantized_weights is None
+    m = moemlp.GroupedMLP(num_experts=3, hidden_size=128, ffn_hidden_size=32, backend="torch", dtype=torch.bfloat16)
+    y = m(p.x, p.splits, p.probs)
+    for flag in (True, False):
+        assert torch.equal(m(p.x, p.splits, p.probs, is_first_microbatch=flag), y), flag
+    assert m.quantized_weights is None
 
 
-def test_torch_backend_checks_and_ignores_quantized_weights():
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_torch_backend_checks_and_ignores_quantized_weights(recipe_name):
     # The reference quantizes the same unchanged weights itself: the same bits; the checks still run.
     p = _small_problem()
-    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, FP8)
-    y0, g0 = run(p, backend="torch", recipe=FP8)
-    y1, g1 = run(p, backend="torch", recipe=FP8, quantized_weights=qw)
+    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, recipe_name)
+    y0, g0 = run(p, backend="torch", recipe=recipe_name)
+    y1, g1 = run(p, backend="torch", recipe=recipe_name, quantized_weights=qw)
     assert torch.equal(y0, y1)
     for name in g0:
         assert torch.equal(g0[name], g1[name]), name
+    other = "nvfp4" if recipe_name == "mxfp8" else "mxfp8"
     with pytest.raises(ValueError, match="quantized under recipe"):
-        run(p, backend="torch", recipe="mxfp8", quantized_weights=qw)
+        run(p, backend="torch", recipe=other, quantized_weights=qw)
+
+
+def test_weight_from_dequantized_checks_its_operands():
+    # What the ops receive is a list of tensors: each cached operand is checked against the weight.
+    from moemlp.kernels import operands
+
+    mx, nv = from_key("mxfp8"), from_key("nvfp4")
+    w = torch.zeros(2, 48, 40, dtype=torch.bfloat16)
+    values, no_factor, factor = torch.zeros(2, 48, 40, dtype=torch.bfloat16), torch.empty(0), torch.ones(())
+    weight = operands.Weight.from_dequantized(w, nv, forward=(values, factor), dgrad=(values, factor))
+    op = weight.dgrad()  # no dequantizing pass: the cached tensors themselves
+    assert op.b is values and op.factor is factor and op.strides == (48 * 40, 1, 40)
+    op = operands.Weight.from_dequantized(w, mx, forward=(values, no_factor)).forward()
+    assert op.b is values and op.factor is None and op.strides == (48 * 40, 40, 1)
+    with pytest.raises(ValueError, match=r"values: expected shape \(2, 48, 40\)"):
+        operands.Weight.from_dequantized(w, mx, forward=(values.transpose(1, 2).contiguous(), no_factor))
+    with pytest.raises(TypeError, match="values: expected torch.bfloat16"):
+        operands.Weight.from_dequantized(w, mx, dgrad=(values.float(), no_factor))
+    with pytest.raises(ValueError, match="values: expected a contiguous"):
+        t = torch.zeros(2, 40, 48, dtype=torch.bfloat16).transpose(1, 2)
+        operands.Weight.from_dequantized(w, mx, dgrad=(t, no_factor))
+    with pytest.raises(ValueError, match="factor: nvfp4.* expects a 0-d float32 1/S_enc on cpu, got none"):
+        operands.Weight.from_dequantized(w, nv, forward=(values, no_factor))
+    with pytest.raises(ValueError, match="factor: mxfp8 has no per-tensor factor"):
+        operands.Weight.from_dequantized(w, mx, forward=(values, factor))
+    with pytest.raises(ValueError, match="dequantized values under mxfp8 or nvfp4 only"):
+        operands.Weight.from_dequantized(w, FP8, forward=(values, no_factor))
+    # the flat lists: four tensors per weight for a forward, two for a backward
+    with pytest.raises(ValueError, match="quantized: expected forward values and factor, dgrad values and factor "
+                                         "of each of 2 weights, got 6 tensors"):  # fmt: skip
+        operands.cached_weights((w, w), mx, [values, no_factor, values] * 2)
+    with pytest.raises(ValueError, match="saved: expected the dgrad values and factor of each of 2 weights"):
+        operands.dgrad_weights((w, w), nv, [values, factor])
 
 
 # --- the custom ops and torch.compile ------------------------------------------------------------
 
 
 @interpreted
-def test_cpu_opcheck_ops_with_quantized_weights():
-    # W1 (3, 48, 40), W2 (3, 40, 24): partial tiles, one empty expert
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_cpu_opcheck_ops_with_quantized_weights(recipe_name):
+    # W1 (3, 48, 40), W2 (3, 40, 24): partial tiles and blocks, one empty expert
     p = make_problem([6, 0, 5], 40, 24, capacity=2, bias=True, seed=2)
-    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, FP8)
+    r = recipe(recipe_name)
+    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, r)
+    cached = qw.tensors()
     inputs = (p.x.detach(), p.splits, p.probs.detach(), *(t.detach() for t in p.tensors()[2:]))
-    opts = ("swiglu", [], 24, True, FP8.key, "triton")
+    opts = ("swiglu", [], 24, True, r.key, "triton")
+    # test_schema compares inputs with allclose, which the CPU lacks for float8_e4m3fn (torch 2.13)
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if not r.native:
+        utils += ("test_schema",)
     fwd = torch.ops.moemlp.grouped_mlp_fwd
     for keep in ([True, True], [False, False]):
-        y, h, saved = fwd(*inputs, *opts, keep, qw.tensors())
-        assert saved == []  # the cached codes_t / scales go to the backward around the op
+        y, h, saved = fwd(*inputs, *opts, keep, cached)
+        assert saved == []  # the cached dgrad operands go to the backward around the op
         y0, h0, _ = fwd(*inputs, *opts, keep, [])
         assert torch.equal(y, y0) and torch.equal(h, h0)
-        # test_schema compares inputs with allclose, which the CPU lacks for float8_e4m3fn (torch 2.13)
-        torch.library.opcheck(
-            fwd, inputs + opts + (keep, qw.tensors()),
-            test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
-        )  # fmt: skip
+        torch.library.opcheck(fwd, inputs + opts + (keep, cached), test_utils=utils)
     fc1_args = (inputs[0], inputs[1], inputs[3], inputs[5], *opts)
-    h1 = torch.ops.moemlp.grouped_fc1(*fc1_args, qw.tensors()[:3])
+    h1 = torch.ops.moemlp.grouped_fc1(*fc1_args, qwm.cached_fc1(cached))
     assert torch.equal(h1, torch.ops.moemlp.grouped_fc1(*fc1_args, []))
-    torch.library.opcheck(
-        torch.ops.moemlp.grouped_fc1, fc1_args + (qw.tensors()[:3],),
-        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
-    )  # fmt: skip
+    torch.library.opcheck(torch.ops.moemlp.grouped_fc1, fc1_args + (qwm.cached_fc1(cached),), test_utils=utils)
+    # the backward with the cached dgrad operands as its saved: the bits of dequantizing in it
+    bwd = torch.ops.moemlp.grouped_mlp_bwd
+    dy = p.dy.detach()
+    args = (dy, inputs[0], h, *inputs[1:], *opts, [True] * 6, False, qwm.cached_dgrad(cached))
+    for name, a, b in zip(GRAD_NAMES, bwd(*args), bwd(*args[:-1], [])):
+        assert torch.equal(a, b), name
+    torch.library.opcheck(bwd, args, test_utils=utils)
 
 
 @interpreted
-def test_cpu_torch_compile_fullgraph_with_quantized_weights(quantize_weight_calls):
-    p = make_problem([9, 0, 14], 128, 32, capacity=2, bias=True, seed=12)
-    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, FP8)
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_cpu_torch_compile_fullgraph_with_quantized_weights(recipe_name, request):
+    # no weight pass inside the compiled forward + backward: fp8_block's quantize_weight calls,
+    # mxfp8's / nvfp4's dequantized_weight calls
+    fixture = "quantize_weight_calls" if recipe_name == "fp8_block" else "dequantized_weight_calls"
+    weight_pass_calls = request.getfixturevalue(fixture)
+    H, F = (128, 32) if recipe_name == "fp8_block" else (40, 24)
+    p = make_problem([9, 0, 14], H, F, capacity=2, bias=True, seed=12)
+    qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, recipe_name)
 
     def f(x, probs, w1, w2, b1, b2, qw):
-        return moemlp.grouped_mlp(x, p.splits, probs, w1, w2, b1, b2, backend="triton", recipe=FP8,
+        return moemlp.grouped_mlp(x, p.splits, probs, w1, w2, b1, b2, backend="triton", recipe=recipe_name,
                                   quantized_weights=qw)  # fmt: skip
 
     args = p.tensors()
     y = f(*args, None)
-    quantize_weight_calls.clear()
+    weight_pass_calls.clear()
     yc = torch.compile(f, fullgraph=True, backend="aot_eager")(*args, qw)
     gc = torch.autograd.grad(yc, args, p.dy)
-    assert quantize_weight_calls == []
+    assert weight_pass_calls == []
     assert torch.equal(y, yc)
     for a, b in zip(torch.autograd.grad(y, args, p.dy), gc):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not _triton_env.START_CHILD, reason="runs the CPU cases in a child on a CPU-only machine")
+def test_cpu_emulated_cases_under_interpreter():
+    _triton_env.run_file_interpreted(__file__, keyword=_EMULATED_CASES)

@@ -201,11 +201,12 @@ def test_recompute_fc1_gives_the_same_gradients():
         assert torch.equal(a, b)
 
 
-def test_is_first_microbatch_reaches_the_experts():
-    """Under fp8_block the layer hands is_first_microbatch to its GroupedMLP: True keeps the quantized
+@pytest.mark.parametrize("recipe_name", ["fp8_block", "mxfp8"])
+def test_is_first_microbatch_reaches_the_experts(recipe_name):
+    """Under a recipe the layer hands is_first_microbatch to its GroupedMLP: True keeps the quantized
     weights, False reuses them with the same results, a changed weight is caught."""
     H, F_, E, k, T = 16, 24, 6, 2, 30
-    moe = make_layer(H, F_, E, k, torch.bfloat16, recipe="fp8_block")
+    moe = make_layer(H, F_, E, k, torch.bfloat16, recipe=recipe_name)
     x = torch.randn(T, H).bfloat16()
     y_none = moe(x)
     assert moe.experts.quantized_weights is None

@@ -19,7 +19,8 @@ weight is quantized once per forward + backward: ``grouped_mlp_fwd(..., keep_dgr
 quantizes a weight the backward's dgrad will read with both layouts and returns its K-major codes
 and tile scales (``saved``), which ``grouped_mlp_bwd(..., saved=saved)`` reads instead of
 quantizing again. Across the micro-batches of an optimizer step, ``quantized`` (the tensors of
-``moemlp.quantize_weights``) replaces even that pass.
+``moemlp.quantize_weights``) replaces even that pass, and under mxfp8 / nvfp4 the per-GEMM
+dequantizing passes of the weights (the backward gets the dgrad operands as ``saved``).
 """
 
 from __future__ import annotations
@@ -86,13 +87,13 @@ def grouped_mlp_fwd(
     fc2_bias: Optional[Tensor],  # (E, H)
     cfg,  # MLPConfig
     keep_dgrad: Optional[tuple[bool, bool]] = None,  # (W1, W2): hand their dgrad operands to the backward
-    quantized: Sequence[Tensor] = (),  # fp8_block: codes, codes_t, scales of W1 then W2 (quantize_weights)
+    quantized: Sequence[Tensor] = (),  # QuantizedWeights.tensors(): W1's operands, then W2's (quantize_weights)
 ) -> tuple[Tensor, ...]:
     """Returns y (M, H) and h (M, N1), both in x.dtype; capacity rows are 0. With ``keep_dgrad``
     also ``saved``, a list for ``grouped_mlp_bwd``: under fp8_block the codes_t (E, C, R) and
     scales of each weight kept (empty tensors for one not kept), else [] (operands.saved_dgrad).
-    With ``quantized`` (fp8_block) the GEMMs read those codes and no weight is quantized here; the
-    ``saved`` returned then holds the given codes_t and scales themselves."""
+    With ``quantized`` the GEMMs read those operands (fp8_block's codes, mxfp8's / nvfp4's
+    dequantized values) and no weight is quantized here (operands.cached_weights)."""
     _check(cfg, x=x, splits=splits, probs=probs, fc1_weight=fc1_weight, fc2_weight=fc2_weight, fc1_bias=fc1_bias,
            fc2_bias=fc2_bias)  # fmt: skip
     M, H = x.shape
@@ -120,7 +121,7 @@ def grouped_fc1(
     fc1_weight: Tensor,  # (E, N1, H)
     fc1_bias: Optional[Tensor],  # (E, N1)
     cfg,  # MLPConfig
-    quantized: Sequence[Tensor] = (),  # fp8_block: W1's codes, codes_t, scales (quantize_weights)
+    quantized: Sequence[Tensor] = (),  # W1's tensors of QuantizedWeights.tensors() (quantize_weights)
 ) -> Tensor:
     """h (M, N1) alone, for recompute_fc1: the FC1 launch of the forward without z."""
     _check(cfg, x=x, splits=splits, fc1_weight=fc1_weight, fc1_bias=fc1_bias)
@@ -146,10 +147,11 @@ def grouped_mlp_bwd(
     cfg,  # MLPConfig
     needs: tuple[bool, bool, bool, bool, bool, bool],  # dx, dprobs, dw1, dw2, db1, db2
     wgrad_dtype: Optional[torch.dtype] = None,  # dW1/dW2 dtype; None = the weights' (fp32 for main_grad)
-    saved: Sequence[Tensor] = (),  # grouped_mlp_fwd's saved (keep_dgrad): W1's and W2's dgrad operands
+    saved: Sequence[Tensor] = (),  # W1's and W2's dgrad operands: grouped_mlp_fwd's saved, or quantize_weights'
 ) -> tuple[Optional[Tensor], ...]:
     """Returns (dx, dprobs, dfc1_weight, dfc2_weight, dfc1_bias, dfc2_bias); None where not needed.
-    A weight the forward did not keep (``saved`` empty, or its pair empty) is quantized here."""
+    A weight without a dgrad operand in ``saved`` (``saved`` empty, or its pair empty) is quantized
+    here (operands.dgrad_weights)."""
     _check(cfg, dy=dy, x=x, h=h, splits=splits, probs=probs, fc1_weight=fc1_weight, fc2_weight=fc2_weight,
            fc1_bias=fc1_bias, fc2_bias=fc2_bias)  # fmt: skip
     need_dx, need_dprobs, need_dw1, need_dw2, need_db1, need_db2 = needs
@@ -164,7 +166,7 @@ def grouped_mlp_bwd(
     # Under a recipe g_h and z are the fp32 values the recipe quantizes (for dx, dW1 and dW2); the
     # bias gradients and the bf16 path take them rounded to x.dtype, as the reference.
     inter = x.dtype if r is None else torch.float32
-    # the forward's quantization where it kept one, else quantized once, for the dgrad only here
+    # the forward's or quantize_weights' dgrad operand where given, else quantized once, for the dgrad only here
     w1, w2 = operands.dgrad_weights((fc1_weight, fc2_weight), r, saved)
     blocks = operands.WgradBlocks(splits, M, r)
     if need_g_h or need_dprobs or need_dw2:

@@ -21,7 +21,10 @@ quantizes both operands along its reduction dim, one of two ways:
 * emulated (mxfp8, nvfp4): the bf16 kernels run on each operand's dequantized values
   code·block_scale in bf16; nvfp4's per-tensor factors (1/S_enc of each operand) multiply the fp32
   accumulator (ACC_SCALE, their product taken by the launcher) before any epilogue. A ``quantize.dequantized*`` pass stores the values
-  first (docs/DECISIONS.md: forming them in the GEMM's load path was slower). Exact for
+  first (docs/DECISIONS.md: forming them in the GEMM's load path was slower); a weight's two
+  orientations (blocks along its columns for the forward, along its rows for the dgrad) are two
+  passes, both of which ``moemlp.quantize_weights`` can run once per optimizer step instead
+  (``cached_weights``; the backward's dgrads read them through ``dgrad_weights``). Exact for
   nvfp4 and for every bf16/fp16 source; from an fp32 source (z and g_h always, x and weights
   with fp32 compute) mxfp8 values of a block whose amax is ≤ 1.05e-35 can lie below bf16's
   subnormal grid and round to it (absolute error ≤ 2^-134; ``tiny_blocks_exact=False``), instead
@@ -85,14 +88,18 @@ class Weight:
 
     ``quantized``: w's fp8_block tiles quantized already (``quantize_weight(w, recipe)``, with
     ``codes_t`` for the dgrad), checked against w; ``from_saved`` builds one from a forward's
-    ``saved()``."""
+    ``saved()``. ``dequantized``: under mxfp8 / nvfp4, {dim: (values, factor)} of the orientations
+    dequantized already (dim -1 the forward's, -2 the dgrad's; ``from_dequantized``)."""
 
-    def __init__(self, w: Tensor, recipe, quantized=None):
+    def __init__(self, w: Tensor, recipe, quantized=None, dequantized=None):
         self.w = w
         self.recipe = recipe
         if quantized is not None:
             _check_tiles(w, recipe, quantized.codes, quantized.codes_t, quantized.scales)
         self._q = quantized
+        for dim, (values, factor) in (dequantized or {}).items():
+            _check_dequantized(w, recipe, dim, values, factor)
+        self._dequantized = dict(dequantized or {})
 
     @classmethod
     def from_saved(cls, w: Tensor, recipe, codes_t: Tensor, scales: Tensor) -> Weight:
@@ -110,6 +117,27 @@ class Weight:
         if not codes.is_contiguous():
             raise ValueError(f"codes: expected a contiguous tensor, got strides {tuple(codes.stride())}")
         return cls(w, recipe, _tiles_quantized(w, recipe, codes, codes_t, scales))
+
+    @classmethod
+    def from_dequantized(cls, w: Tensor, recipe, forward=None, dgrad=None) -> Weight:
+        """w under mxfp8 / nvfp4 with its forward and / or dgrad operand dequantized already
+        (``moemlp.quantize_weights``): each a pair (values, factor) of ``dequantized_weight``'s
+        form, values (E, R, C) bf16 and factor nvfp4's 0-d fp32 1/S_enc, or for mxfp8 an empty
+        tensor (the ops' form of None). An orientation not given is dequantized on use."""
+        given = {}
+        for dim, op in ((-1, forward), (-2, dgrad)):
+            if op is not None:
+                values, factor = op
+                given[dim] = (values, _factor(factor))
+        return cls(w, recipe, dequantized=given)
+
+    def _dequantized_values(self, dim: int) -> tuple[Tensor, Optional[Tensor]]:
+        """(values, factor) of the emulated GEMM operand with blocks along ``dim``: the cached one,
+        else one dequantizing pass (not kept: each orientation is read by one GEMM per call)."""
+        cached = self._dequantized.get(dim)
+        if cached is not None:
+            return cached
+        return kq.dequantized_weight(self.w, self.recipe, dim=dim, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
 
     def _quantized(self, transposed: bool):
         """fp8_block's tiles, with the transposed codes when the dgrad asks (one quantizer pass
@@ -134,9 +162,7 @@ class Weight:
             q = self._quantized(transposed=False)
             nr, nc = q.scales.shape[1:]
             return WeightOperand(q.codes, (R * C, C, 1), q.scales, (nr * nc, nc, 1))
-        values, factor = kq.dequantized_weight(
-            self.w, self.recipe, dim=-1, out_dtype=torch.bfloat16, tiny_blocks_exact=False
-        )
+        values, factor = self._dequantized_values(-1)
         return WeightOperand(values, (R * C, C, 1), factor=factor)
 
     def dgrad(self) -> WeightOperand:
@@ -148,9 +174,7 @@ class Weight:
             nr, nc = q.scales.shape[1:]
             # (E, C, R) K-major codes from the quantizer's transposed store; tile scales read transposed
             return WeightOperand(q.codes_t, (R * C, R, 1), q.scales, (nr * nc, 1, nc))
-        values, factor = kq.dequantized_weight(
-            self.w, self.recipe, dim=-2, out_dtype=torch.bfloat16, tiny_blocks_exact=False
-        )
+        values, factor = self._dequantized_values(-2)
         return WeightOperand(values, (R * C, 1, C), factor=factor)
 
 
@@ -202,6 +226,36 @@ def _check_tiles(w: Tensor, recipe, codes: Optional[Tensor], codes_t: Optional[T
             raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
 
 
+def _factor(t: Tensor) -> Optional[Tensor]:
+    """The launcher's factor (None: none) from the ops' form of it, where none is an empty tensor."""
+    return None if t.numel() == 0 else t
+
+
+def _check_dequantized(w: Tensor, recipe, dim: int, values: Tensor, factor: Optional[Tensor]) -> None:
+    """An emulated recipe's operand of w (E, R, C) as ``dequantized_weight(w, recipe, dim,
+    bfloat16)`` returns it, or an error naming what differs."""
+    if recipe is None or is_native(recipe):
+        raise ValueError(f"recipe: a Weight takes dequantized values under mxfp8 or nvfp4 only, got {recipe!r}")
+    if dim not in (-1, -2):
+        raise ValueError(f"dim: expected -1 (the forward's operand) or -2 (the dgrad's), got {dim}")
+    if tuple(values.shape) != tuple(w.shape):
+        raise ValueError(f"values: expected shape {tuple(w.shape)} (the weight's), got {tuple(values.shape)}")
+    if values.dtype != torch.bfloat16 or values.device != w.device:
+        raise TypeError(f"values: expected torch.bfloat16 on {w.device}, got {values.dtype} on {values.device}")
+    if not values.is_contiguous():
+        raise ValueError(f"values: expected a contiguous tensor, got strides {tuple(values.stride())}")
+    from ..recipes import NVFP4Recipe
+
+    per_tensor = isinstance(recipe, NVFP4Recipe)  # nvfp4's 1/S_enc; mxfp8's scales are all per block
+    if per_tensor and (
+        factor is None or factor.shape != () or factor.dtype != torch.float32 or factor.device != w.device
+    ):
+        got = "none" if factor is None else f"{factor.dtype} of shape {tuple(factor.shape)} on {factor.device}"
+        raise ValueError(f"factor: {recipe.key} expects a 0-d float32 1/S_enc on {w.device}, got {got}")
+    if not per_tensor and factor is not None:
+        raise ValueError(f"factor: {recipe.key} has no per-tensor factor, got a tensor of shape {tuple(factor.shape)}")
+
+
 def _kept(recipe, keep: Optional[Sequence[bool]]) -> Optional[tuple[bool, ...]]:
     """Which weights hand their dgrad operand from the forward to the backward; None: no list at
     all. fp8_block only: its tiles serve both GEMMs, the emulated recipes dequantize each
@@ -246,14 +300,20 @@ def saved_dgrad_like(weights: Sequence[Tensor], recipe, keep: Optional[Sequence[
 
 
 def dgrad_weights(ws: Sequence[Tensor], recipe, saved: Sequence[Tensor]) -> list[Weight]:
-    """One Weight per tensor of ``ws`` for the backward: from the forward's ``saved_dgrad`` where it
-    kept one (checked against the weight), else quantized on first use."""
+    """One Weight per tensor of ``ws`` for the backward, from two tensors per weight in ``saved``
+    where there are: fp8_block's codes_t and scales (the forward's ``saved_dgrad``, or
+    ``quantize_weights``' tiles), mxfp8's / nvfp4's dgrad values and factor (``quantize_weights``'
+    only: their forward keeps nothing); checked against the weight. Else quantized on first use."""
     if not saved:
         return [Weight(w, recipe) for w in ws]
     if len(saved) != 2 * len(ws):
-        raise ValueError(f"saved: expected codes_t and scales of each of {len(ws)} weights, got {len(saved)} tensors")
+        what = "codes_t and scales" if is_native(recipe) else "the dgrad values and factor"
+        raise ValueError(f"saved: expected {what} of each of {len(ws)} weights, got {len(saved)} tensors")
     pairs = [saved[2 * i : 2 * i + 2] for i in range(len(ws))]
     # An empty pair is a weight the forward did not keep (an empty weight quantizes to nothing anyway).
+    if not is_native(recipe):
+        return [Weight.from_dequantized(w, recipe, dgrad=p) if p[0].numel() else Weight(w, recipe)
+                for w, p in zip(ws, pairs)]  # fmt: skip
     return [Weight.from_saved(w, recipe, *p) if p[0].numel() else Weight(w, recipe) for w, p in zip(ws, pairs)]
 
 
@@ -266,13 +326,18 @@ def weights(ws: Sequence[Tensor], recipe, quantized: Sequence[Tensor] = ()) -> l
 
 
 def cached_weights(ws: Sequence[Tensor], recipe, quantized: Sequence[Tensor]) -> list[Weight]:
-    """One Weight per tensor of ``ws`` from ``quantize_weights``' tensors: codes, codes_t and scales
-    of each weight in turn (checked against the weight); none of them quantizes again."""
-    if len(quantized) != 3 * len(ws):
-        raise ValueError(
-            f"quantized: expected codes, codes_t and scales of each of {len(ws)} weights, got {len(quantized)} tensors"
-        )
-    return [Weight.from_cache(w, recipe, *quantized[3 * i : 3 * i + 3]) for i, w in enumerate(ws)]
+    """One Weight per tensor of ``ws`` from ``quantize_weights``' tensors (``QuantizedWeights.tensors()``),
+    each weight's in turn, checked against the weight; none of them quantizes again. fp8_block:
+    codes, codes_t and scales; mxfp8 / nvfp4: the forward's values and factor, then the dgrad's."""
+    native = is_native(recipe)
+    per = 3 if native else 4
+    if len(quantized) != per * len(ws):
+        what = "codes, codes_t and scales" if native else "forward values and factor, dgrad values and factor"
+        raise ValueError(f"quantized: expected {what} of each of {len(ws)} weights, got {len(quantized)} tensors")
+    groups = [quantized[per * i : per * i + per] for i in range(len(ws))]
+    if native:
+        return [Weight.from_cache(w, recipe, *g) for w, g in zip(ws, groups)]
+    return [Weight.from_dequantized(w, recipe, forward=g[:2], dgrad=g[2:]) for w, g in zip(ws, groups)]
 
 
 def gemm(

@@ -282,7 +282,7 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
         """y of x's shape. ``is_first_microbatch`` goes to the experts (``GroupedMLP.forward``): under
-        fp8_block, True quantizes the expert weights and keeps them for the step's later micro-batches,
+        a recipe, True quantizes the expert weights and keeps them for the step's later micro-batches,
         which pass False; None quantizes in every call."""
         if self.ep_group is None:
             return self._forward(x, is_first_microbatch)
