@@ -1,8 +1,8 @@
 """`python -m moemlp bench --recipes`: the grouped MLP under each block-scaled recipe beside moemlp's
 own bf16 path, same process, same inputs (quantization included in every timing: activations and
-gradients per call, weights per call too, as a step that changes the weights must). One more column,
-``fp8_block_wcache``, times fp8_block with the weights quantized once outside the call
-(``moemlp.quantize_weights``): what a later micro-batch of an optimizer step costs.
+gradients per call, weights per call too, as a step that changes the weights must). On the Triton
+path one more column per recipe, ``<recipe>_wcache``, times it with the weights quantized once
+outside the call (``moemlp.quantize_weights``): what a later micro-batch of an optimizer step costs.
 
 Before timing, each recipe's output is checked against the unquantized bf16 result (signal-to-noise
 ratio in dB over y): a broken path is a loud error, not a fast number.
@@ -21,7 +21,7 @@ from .common import device_description, fwd_and_fwd_bwd, print_table, routed_pro
 from .mlp import NOISY_SPREAD
 
 RECIPES = ("fp8_block", "mxfp8", "nvfp4")
-CACHED = "fp8_block_wcache"  # fp8_block, weights quantized once per step (micro-batches after the first)
+WCACHE = "_wcache"  # <recipe>_wcache: weights quantized once per step (micro-batches after the first)
 # y against the bf16 path, one seed per shape: fp8_block / mxfp8 ~24-26 dB and nvfp4 ~12-13 dB are
 # what the torch emulation gives (tests/recipes/test_recipe_contract.py, MLP_FLOORS); 6 dB under is a broken path.
 SANITY_DB = {"fp8_block": 18.0, "mxfp8": 18.0, "nvfp4": 6.0}
@@ -39,11 +39,11 @@ def bench_shape(shape, device, backend: str, rep_ms: int, recipes=RECIPES) -> di
     with torch.no_grad():
         y_bf16 = grouped_mlp(x, splits, probs, w1, w2, backend=backend)
     variants = [(None, None)] + [(name, name) for name in recipes]
-    if "fp8_block" in recipes and backend != "torch" and (backend == "triton" or device.type == "cuda"):
-        variants.append((CACHED, "fp8_block"))
+    if backend != "torch" and (backend == "triton" or device.type == "cuda"):
+        variants += [(name + WCACHE, name) for name in recipes]
     for label, name in variants:
         label = label or "bf16"
-        qw = quantize_weights(w1, w2, name) if label == CACHED else None
+        qw = quantize_weights(w1, w2, name) if label.endswith(WCACHE) else None
 
         def fn(name=name, qw=qw):
             return grouped_mlp(x, splits, probs, w1, w2, backend=backend, recipe=name, quantized_weights=qw)
@@ -83,8 +83,9 @@ def run_recipe_bench(shapes, device: torch.device, backend: str, out_dir: str, r
     cols = ["shape", "bf16_fwdbwd_ms"]
     for name in RECIPES:
         cols += [f"{name}_fwdbwd_ms", f"{name}_speedup_fwdbwd", f"{name}_speedup_fwd", f"{name}_snr_db"]
-    if any(f"{CACHED}_fwdbwd_ms" in r for r in rows):
-        cols += [f"{CACHED}_fwdbwd_ms", f"{CACHED}_speedup_fwdbwd"]
+    for name in RECIPES:
+        if any(f"{name}{WCACHE}_fwdbwd_ms" in r for r in rows):
+            cols += [f"{name}{WCACHE}_fwdbwd_ms", f"{name}{WCACHE}_speedup_fwdbwd"]
     print_table(
         rows,
         cols,
