@@ -161,13 +161,18 @@ def gpu_time_ms(fn: Callable[[], object], device: torch.device, *, iters: int = 
     times = []
     for _ in range(iters):
         torch.cuda._sleep(sleep_cycles)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(event_ms(fn))
     return statistics.median(times)
+
+
+def event_ms(fn: Callable[[], object]) -> float:
+    """Milliseconds of one ``fn()`` between two CUDA events on the current stream (waits for it)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def fwd_and_fwd_bwd(fn, leaves, dy, device: torch.device, rep_ms: int) -> tuple[Timing, Timing]:

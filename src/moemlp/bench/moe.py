@@ -73,7 +73,7 @@ import torch.distributed as dist
 from ..moe import MoE
 from ..moe.dispatch import permute_probs, plan_dispatch, row_index, unpermute, use_triton
 from ..moe.ep import all_to_all, ep_combine, ep_dispatch
-from .common import device_description, gpu_time_ms, print_table, write_csv
+from .common import device_description, event_ms, gpu_time_ms, print_table, write_csv
 from .peers import LeanMoE
 
 __all__ = ["run_moe_bench", "MoEShape", "ep_sizes", "DEFAULT_EP"]
@@ -139,12 +139,7 @@ def _time_ms(fn, device: torch.device, iters: int, warmup: int, group=None) -> f
     times = []
     for _ in range(iters):
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(event_ms(fn))
         else:
             t0 = time.perf_counter()
             fn()
