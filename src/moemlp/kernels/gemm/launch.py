@@ -19,6 +19,7 @@ import torch
 import triton
 from torch import Tensor
 
+from .._cuda_context import bind_context
 from .common import INTERPRET, TensorDescriptor
 from .dprobs import dprobs_reduce_kernel
 from .epilogue import FC1, FC1_DGRAD, FC2, FC2_DGRAD
@@ -168,6 +169,14 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _descriptor(t: torch.Tensor, block: list[int]):
+    """A host TMA descriptor of ``t``, with a CUDA context current on this thread for its encoding
+    (kernels/_cuda_context.py)."""
+    if t.device.type == "cuda":
+        bind_context(t.device)
+    return TensorDescriptor.from_tensor(t, block)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 compute: exact fp32 products ("ieee"), as the reference; bf16/fp16 ignore the setting.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -258,10 +267,10 @@ def launch_grouped_gemm(
     programs = _num_programs(a.device, bound)
     a_desc = b_desc = None
     if use_tma:
-        a_desc = TensorDescriptor.from_tensor(a, [config.BM, config.BK])
+        a_desc = _descriptor(a, [config.BM, config.BK])
         b_rows = 2 * config.BN if paired else config.BN  # paired: gate and up rows of BN columns
         b_block = [1, b_rows, config.BK] if b_kmajor else [1, config.BK, b_rows]
-        b_desc = TensorDescriptor.from_tensor(b, b_block)
+        b_desc = _descriptor(b, b_block)
     grouped_gemm_kernel[(programs,)](
         a, b, a_desc, b_desc, splits,
         probs if probs is not None else dummy,
@@ -375,8 +384,8 @@ def launch_grouped_wgrad(
     do_w = dw is not None
     grid = (E * triton.cdiv(P, config.BM) * (triton.cdiv(Q, config.BN) if do_w else 1),)
     use_tma = do_w and M > 0 and _tma_ok(g, x)
-    g_desc = TensorDescriptor.from_tensor(g, [config.BK, config.BM]) if use_tma else None
-    x_desc = TensorDescriptor.from_tensor(x, [config.BK, config.BN]) if use_tma else None
+    g_desc = _descriptor(g, [config.BK, config.BM]) if use_tma else None
+    x_desc = _descriptor(x, [config.BK, config.BN]) if use_tma else None
     grouped_wgrad_kernel[grid](
         g,
         x if x is not None else g,
@@ -459,8 +468,8 @@ def _launch_fp8_wgrad(g_t, g_scales, x_t, x_scales, splits, T, out_dtype, config
     use_tma = _tma_ok(g_t, x_t) if config.USE_TMA is None else config.USE_TMA
     if use_tma and not _tma_ok(g_t, x_t):
         raise ValueError("config: USE_TMA needs triton's TensorDescriptor and 16-byte aligned code rows")
-    g_desc = TensorDescriptor.from_tensor(g_t, [config.BN, BLOCK]) if use_tma else None
-    x_desc = TensorDescriptor.from_tensor(x_t, [config.BK, BLOCK]) if use_tma else None
+    g_desc = _descriptor(g_t, [config.BN, BLOCK]) if use_tma else None
+    x_desc = _descriptor(x_t, [config.BK, BLOCK]) if use_tma else None
     grid = (E * triton.cdiv(N, config.BN) * triton.cdiv(K, config.BK),)
     fp8_wgrad_kernel[grid](
         g_t, g_scales, x_t, x_scales, g_desc, x_desc, splits, out,

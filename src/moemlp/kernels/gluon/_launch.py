@@ -7,6 +7,7 @@ import functools
 
 import torch
 
+from .._cuda_context import bind_context
 from ._compat import why_unavailable
 
 # 128×128×64 tiles, 4 stages: (128 + 128)·64·2 B = 32 KiB a stage, 128 KiB of ring + 2 × 32 KiB of
@@ -144,6 +145,7 @@ def grouped_gemm(
     b_block = [BN, BK] if kmajor else [BK, BN]
     b_layout_smem = gl.NVMMASharedLayout.get_default_for(b_block, gl.bfloat16)
     c_layout = gl.NVMMASharedLayout.get_default_for([bm, BN], c_gl)
+    bind_context(a.device)  # the descriptors are encoded on this thread (kernels/_cuda_context.py)
     a_desc = TensorDescriptor.from_tensor(a, [bm, BK], a_layout)
     b_desc = TensorDescriptor.from_tensor(b.view(E * b.shape[1], b.shape[2]), b_block, b_layout_smem)
     c_desc = TensorDescriptor.from_tensor(out, [bm, BN], c_layout)
