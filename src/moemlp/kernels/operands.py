@@ -35,6 +35,7 @@ Nothing here reads a tensor's values on the host.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -42,6 +43,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import gluon
 from .gemm import launch
 from .quant import api as kq
 
@@ -360,6 +362,12 @@ def gemm(
     """One grouped-GEMM launch of the MLP: A @ B with B(n, k) = W[e, n, k] (fc1, fc2) or W[e, k, n]
     (the dgrads), both operands quantized first under cfg.recipe. Returns the dprobs partials when
     asked (``launch.launch_dprobs_reduce`` sums them), else None."""
+    if kind == "fc2_dgrad" and cfg.recipe is None and _engine_fc2_dgrad(a, weight.w, h, out, z, cfg):
+        return gluon.fc2_dgrad(
+            a, weight.w, splits, h, out, z=z, probs=probs, dprobs_partials=dprobs_partials,
+            glu_interleave=cfg.glu_interleave, activation_id=cfg.activation.kernel_id,
+            params=tuple(cfg.activation_params) + (0.0,) * (3 - len(cfg.activation_params)),
+        )  # fmt: skip
     emulated = cfg.recipe is not None and not is_native(cfg.recipe)
     b_op = weight.forward() if kind in ("fc1", "fc2") else weight.dgrad()
     a_op = act(a, cfg.recipe)
@@ -369,6 +377,18 @@ def gemm(
         dprobs_partials=dprobs_partials, a_scales=a_op.scales, b_scales=b_op.scales,
         b_scale_strides=b_op.scale_strides, acc_factors=(a_op.factor, b_op.factor),
     )  # fmt: skip
+
+
+def _engine_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, g_h: Tensor, z: Optional[Tensor], cfg) -> bool:
+    """Whether FC2_DGRAD runs on the warp-specialized Gluon engine (kernels/gluon/_fc2_dgrad.py): bf16
+    without a recipe, swiglu or clamped_swiglu, on an sm_90 GPU whose triton has Gluon's Hopper API,
+    unless MOEMLP_GLUON=0. Elsewhere the Triton kernel runs, which gives the same g_h and z bits
+    (its dprobs partials differ only in their summation order)."""
+    if dy.device.type != "cuda" or os.environ.get("MOEMLP_GLUON", "1") == "0":
+        return False
+    if g_h.dtype != torch.bfloat16 or (z is not None and z.dtype != torch.bfloat16):
+        return False
+    return not gluon.fc2_dgrad_supports(dy, w2, h, cfg.activation.kernel_id, cfg.glu)
 
 
 class WgradBlocks:

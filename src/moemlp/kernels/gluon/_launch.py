@@ -162,3 +162,94 @@ def grouped_gemm(
             PROMOTE=promote, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )
     return out
+
+
+# FC2_DGRAD's fused kernel (_fc2_dgrad.py): 64-row promoted tiles, 4 stages of 24 KiB, two fp32 epilogue
+# tiles of 32 KiB: 160 KiB. The epilogue reads its accumulator back in chunks of 64 columns.
+DGRAD_CW = 64
+# The GLU kinds the fused epilogue implements (ActivationSpec.kernel_id): swiglu, clamped_swiglu.
+DGRAD_ACTIVATIONS = (0, 1)
+
+
+def fc2_dgrad_supports(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, activation_id: int, glu: bool) -> str:
+    """Why the fused FC2_DGRAD cannot take these operands ("" when it can): dy (M, H), w2 (E, H, F)
+    contiguous or the transposed view of a contiguous (E, F, H), h (M, 2F), all bf16 (no device read)."""
+    if not glu or activation_id not in DGRAD_ACTIVATIONS:
+        return "the fused epilogue implements swiglu and clamped_swiglu"
+    if dy.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or h.dtype != torch.bfloat16:
+        return "bf16 operands only"
+    E, H, F = w2.shape
+    if E > MAX_EXPERTS:
+        return f"more than {MAX_EXPERTS} experts"
+    if H % 8 or F % 8:
+        return "H or F not a multiple of 8"
+    if not (dy.is_contiguous() and h.is_contiguous()) or dy.data_ptr() % 16 or w2.data_ptr() % 16:
+        return "operands not contiguous and 16-byte aligned"
+    if w2.is_contiguous():
+        if E > 1 and H % BK:
+            return f"H not a multiple of {BK} with W2 as (E, H, F)"
+    elif not w2.transpose(1, 2).is_contiguous():
+        return "W2 neither contiguous nor the transposed view of a contiguous tensor"
+    return why_unavailable(dy.device)
+
+
+def fc2_dgrad(
+    dy: torch.Tensor,  # (M, H) bf16, rows grouped by expert
+    w2: torch.Tensor,  # (E, H, F) bf16: contiguous, or the transposed view of a contiguous (E, F, H)
+    splits: torch.Tensor,  # (E,) int32 / int64 on the device
+    h: torch.Tensor,  # (M, 2F) bf16, the forward's stored pre-activation
+    g_h: torch.Tensor,  # (M, 2F) bf16, written
+    *,
+    z: torch.Tensor | None,  # (M, F) bf16, written when given (dW2's operand)
+    probs: torch.Tensor | None,  # (M,) fp32 / bf16 / fp16
+    dprobs_partials: bool,
+    glu_interleave: int,
+    activation_id: int,
+    params: tuple[float, float, float],
+    rings: int = 1,
+) -> torch.Tensor | None:
+    """The MLP's FC2_DGRAD on the engine: g_z = dy[R_e] @ W2[e] in fp32 (each 64-deep product promoted),
+    then g_h = g_z·p·act'(h), z = act(h)·p and the dprobs partials Σ_f g_z·a of each 128-column tile
+    (returned, (⌈F/128⌉, M) fp32, when asked). Capacity rows get zeros. The caller checked
+    ``fc2_dgrad_supports``."""
+    from ._compat import TensorDescriptor, gl
+    from ._engine import MAXNREG, NUM_WARPS
+    from ._fc2_dgrad import fc2_dgrad_kernel, fc2_dgrad_kernel_own_rings
+
+    M, H = dy.shape
+    E, _, F = w2.shape
+    N1 = h.shape[1]
+    partial = torch.empty((-(-F // BN), M), dtype=torch.float32, device=dy.device) if dprobs_partials else None
+    if M == 0 or F == 0:
+        return partial
+    if H == 0 or E == 0:
+        # g_z = 0: g_h, z and the partials are 0 whatever h holds (no activation read).
+        g_h.zero_()
+        if z is not None:
+            z.zero_()
+        if partial is not None:
+            partial.zero_()
+        return partial
+    bm = BM_PROMOTED
+    kmajor = not w2.is_contiguous()  # the transposed view of a contiguous (E, F, H): B as (E·F, H)
+    b2d = w2.transpose(1, 2).reshape(E * F, H) if kmajor else w2.view(E * H, F)
+    b_block = [BN, BK] if kmajor else [BK, BN]
+    bind_context(dy.device)
+    a_desc = TensorDescriptor.from_tensor(dy, [bm, BK], gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16))
+    b_desc = TensorDescriptor.from_tensor(b2d, b_block, gl.NVMMASharedLayout.get_default_for(b_block, gl.bfloat16))
+    e_block = max(32, 1 << (E - 1).bit_length())
+    tile_bound = (-(-M // bm) + E) * -(-F // BN)
+    device_index = dy.device.index if dy.device.index is not None else torch.cuda.current_device()
+    grid = (min(_num_sms(device_index), tile_bound),)
+    dummy = g_h  # never dereferenced: the constexpr flags switch its loads and stores off
+    with torch.cuda.device(dy.device):
+        kernel = fc2_dgrad_kernel if rings == 1 else fc2_dgrad_kernel_own_rings
+        kernel[grid](
+            a_desc, b_desc, h, g_h, z if z is not None else dummy, probs if probs is not None else dummy,
+            partial if partial is not None else dummy, splits, E, M, F, H, N1,
+            float(params[0]), float(params[1]), float(params[2]),
+            BM=bm, BN=BN, BK=BK, STAGES=STAGES if rings == 1 else 3, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor, CW=DGRAD_CW,
+            G=glu_interleave, ACT=activation_id, HAS_PROBS=probs is not None, STORE_Z=z is not None,
+            STORE_PARTIAL=partial is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        )  # fmt: skip
+    return partial

@@ -1,0 +1,414 @@
+"""FC2_DGRAD on the warp-specialized engine: g_z = dy[R_e] @ W2[e] with its fused epilogue.
+
+    g_z  = dy @ W2[e]                       fp32, each 64-deep product promoted
+    part = Σ_f g_z · a                      the tile's dprobs partial, from fp32 g_z and fp32 a
+    g_h  = g_z · p · (da/dgate, da/dup)     one rounding to bf16 (gate and up columns of h)
+    z    = a · p                            one rounding to bf16, dW2's operand
+
+a = act(gate, up) from the stored h upcast to fp32; the GLU kinds swiglu (0) and clamped_swiglu (1),
+written operation for operation as kernels/gemm/activations.py writes them.
+
+The partitions are the engine's (_engine.py): the 1-warp TMA producer unchanged, two consumer
+warpgroups in ping-pong on 64-row tiles. A consumer's promoted mainloop waits on every product
+before adding it, so the tensor cores idle for the add; what ping-pong buys here is that one
+warpgroup's epilogue (read h, write g_h and z: ~2.5× the bytes of the tile's fp32 g_z) runs while
+the other warpgroup's mainloop keeps the tensor cores busy. The Triton kernel runs that epilogue
+after each tile's mainloop with nothing overlapping it.
+
+Epilogue: the accumulator goes to a per-warpgroup fp32 shared tile, and is read back in column
+chunks of CW in a blocked layout (8 consecutive columns a thread), so h loads and the g_h / z
+stores are row-contiguous vectors rather than wgmma's 2-column fragments. Rows past the expert's
+end belong to the next expert's tiles and are masked; capacity rows (past Σsplits) get zeros in
+g_h, z and the partials, written by the capacity tiles after the real ones, so every element of
+the outputs is written exactly once. No atomics: the same bits on every run.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+from ._compat import gl, gluon, mbarrier, warp_specialize
+from ._engine import (
+    CONSUMER_REGS,
+    PRODUCER_REGS,
+    _expert_table,
+    _mainloop_promoted,
+    _producer,
+    _tile_coords,
+)
+
+SWIGLU = 0
+CLAMPED_SWIGLU = 1
+_NAN = gl.constexpr(tl.PropagateNan.ALL) if gl is not None else None
+
+
+@gluon.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + gl.exp(-x))
+
+
+@gluon.jit
+def _glu_backward(gate, up, ACT: gl.constexpr, p0, p1, p2):
+    """(a, da/dgate, da/dup), as gemm/activations.py's glu_backward for kinds 0 and 1."""
+    if ACT == 0:
+        s = _sigmoid(gate)
+        silu = gate * s
+        a = silu * up
+        d_gate = (s + silu * (1.0 - s)) * up
+        d_up = silu
+    else:
+        gl.static_assert(ACT == 1)
+        # min / max propagating NaN, as torch.clamp (the hardware min.f32 would return the limit)
+        gate_c = gl.minimum(gate, p0, propagate_nan=_NAN)
+        up_c = gl.minimum(gl.maximum(up, -p0, propagate_nan=_NAN), p0, propagate_nan=_NAN)
+        s = _sigmoid(p1 * gate_c)
+        glu = gate_c * s
+        a = glu * (up_c + p2)
+        d_gate = (s + p1 * glu * (1.0 - s)) * (up_c + p2)
+        d_up = glu
+        d_gate = gl.where(gate <= p0, d_gate, 0.0)
+        d_up = gl.where((up >= -p0) & (up <= p0), d_up, 0.0)
+    return a, d_gate, d_up
+
+
+@gluon.jit
+def _pair_offsets(local, n0c, row_ok, N, N1, CW: gl.constexpr):
+    """Offsets (in a tile of h) and mask of h's 2·CW columns holding gate and up of the CW columns
+    from n0c, interleaved column by column (G = 1), in a layout of 16 contiguous bf16 a thread."""
+    flat: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 8 // CW, CW // 8], [4, 1], [1, 0])
+    rows2 = gl.convert_layout(local, gl.SliceLayout(1, flat))
+    ok2 = gl.convert_layout(row_ok, gl.SliceLayout(1, flat))
+    c2 = gl.arange(0, 2 * CW, layout=gl.SliceLayout(0, flat))
+    h_off = rows2[:, None] * N1 + (2 * n0c + c2)[None, :]
+    # the column test on the contiguous index, so the mask is constant over each 16-element vector
+    pair_mask = ok2[:, None] & (2 * n0c + c2 < 2 * N)[None, :]
+    return h_off, pair_mask
+
+
+@gluon.jit
+def _load_pairs(h_tile, local, n0c, row_ok, N, N1, BM: gl.constexpr, CW: gl.constexpr):
+    """Gate and up of the CW columns from n0c where h interleaves them column by column (G = 1): one
+    row-contiguous load of 2·CW columns of h (16 bf16 a thread) split in registers, instead of two
+    stride-2 gathers of 2-byte elements. Returns gate, up (fp32, the epilogue's layout) and the
+    offsets and mask of the 2·CW columns for ``_store_pairs``."""
+    epi: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // CW, CW // 8], [4, 1], [1, 0])
+    h_off, pair_mask = _pair_offsets(local, n0c, row_ok, N, N1, CW)
+    hv = gl.load(h_tile + h_off, mask=pair_mask, other=0.0).to(gl.float32)
+    gate, up = gl.split(gl.reshape(hv, [BM, CW, 2]))
+    return gl.convert_layout(gate, epi), gl.convert_layout(up, epi), h_off, pair_mask
+
+
+@gluon.jit
+def _store_pairs(gh_tile, h_off, pair_mask, g_gate, g_up, BM: gl.constexpr, CW: gl.constexpr):
+    flat: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 8 // CW, CW // 8], [4, 1], [1, 0])
+    both = gl.convert_layout(gl.reshape(gl.join(g_gate, g_up), [BM, 2 * CW]), flat)
+    gl.store(gh_tile + h_off, both.to(gh_tile.dtype.element_ty), mask=pair_mask)
+
+
+@gluon.jit
+def _epilogue(acc, g_smem, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, m0, n0, row_end, M, N, N1, p0, p1, p2,
+              BM: gl.constexpr, BN: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr,
+              HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
+    epi: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // CW, CW // 8], [4, 1], [1, 0])
+    g_smem.store(acc)
+    local = gl.arange(0, BM, layout=gl.SliceLayout(1, epi))
+    rows = m0 + local
+    row_ok = rows < row_end
+    # A 64-bit base per tile plus int32 offsets (BM·N1 < 2^31): int64 offset tensors would take two
+    # registers an element.
+    h_tile = h_ptr + m0.to(gl.int64) * N1
+    gh_tile = gh_ptr + m0.to(gl.int64) * N1
+    z_tile = z_ptr + m0.to(gl.int64) * N
+    if HAS_PROBS:
+        p = gl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)  # fp32 probs never rounded
+    part = gl.zeros([BM], gl.float32, gl.SliceLayout(1, epi))
+    for c in gl.static_range(BN // CW):
+        g_z = g_smem.slice(c * CW, CW, dim=1).load(epi)
+        cols = n0 + c * CW + gl.arange(0, CW, layout=gl.SliceLayout(0, epi))
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        if G == 1:
+            gate, up, h_off, pair_mask = _load_pairs(h_tile, local, n0 + c * CW, row_ok, N, N1, BM, CW)
+        else:
+            n_h = (cols // G) * (2 * G) + cols % G  # gate column of f in h; up column = + G
+            h_off = local[:, None] * N1 + n_h[None, :]
+            gate = gl.load(h_tile + h_off, mask=mask, other=0.0).to(gl.float32)
+            up = gl.load(h_tile + h_off + G, mask=mask, other=0.0).to(gl.float32)
+        a, d_gate, d_up = _glu_backward(gate, up, ACT, p0, p1, p2)
+        part += gl.sum(gl.where(mask, g_z * a, 0.0), axis=1)
+        g_a = g_z
+        if HAS_PROBS:
+            g_a = g_z * p[:, None]
+        if G == 1:
+            _store_pairs(gh_tile, h_off, pair_mask, g_a * d_gate, g_a * d_up, BM, CW)
+        else:
+            gl.store(gh_tile + h_off, (g_a * d_gate).to(gh_ptr.dtype.element_ty), mask=mask)
+            gl.store(gh_tile + h_off + G, (g_a * d_up).to(gh_ptr.dtype.element_ty), mask=mask)
+        if STORE_Z:
+            z = a
+            if HAS_PROBS:
+                z = a * p[:, None]
+            gl.store(z_tile + (local[:, None] * N + cols[None, :]), z.to(z_ptr.dtype.element_ty), mask=mask)
+    if STORE_PARTIAL:
+        gl.store(part_ptr + (n0 // BN).to(gl.int64) * M + rows, part, mask=row_ok)
+
+
+@gluon.jit
+def _zeros(gh_ptr, z_ptr, part_ptr, m0, n0, M, N, N1, BM: gl.constexpr, BN: gl.constexpr, CW: gl.constexpr,
+           G: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
+    """A capacity tile: rows from Σsplits on belong to no expert; their g_h, z and partials are 0."""
+    epi: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // CW, CW // 8], [4, 1], [1, 0])
+    flat: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 8 // CW, CW // 8], [4, 1], [1, 0])  # _pair_offsets'
+    local = gl.arange(0, BM, layout=gl.SliceLayout(1, epi))
+    rows = m0 + local
+    row_ok = rows < M
+    gh_tile = gh_ptr + m0.to(gl.int64) * N1
+    z_tile = z_ptr + m0.to(gl.int64) * N
+    zero = gl.zeros([BM, CW], gh_ptr.dtype.element_ty, epi)
+    for c in gl.static_range(BN // CW):
+        cols = n0 + c * CW + gl.arange(0, CW, layout=gl.SliceLayout(0, epi))
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        if G == 1:
+            h_off, pair_mask = _pair_offsets(local, n0 + c * CW, row_ok, N, N1, CW)
+            gl.store(gh_tile + h_off, gl.zeros([BM, 2 * CW], gh_ptr.dtype.element_ty, flat), mask=pair_mask)
+        else:
+            n_h = (cols // G) * (2 * G) + cols % G
+            h_off = local[:, None] * N1 + n_h[None, :]
+            gl.store(gh_tile + h_off, zero, mask=mask)
+            gl.store(gh_tile + h_off + G, zero, mask=mask)
+        if STORE_Z:
+            gl.store(z_tile + (local[:, None] * N + cols[None, :]), zero.to(z_ptr.dtype.element_ty), mask=mask)
+    if STORE_PARTIAL:
+        gl.store(part_ptr + (n0 // BN).to(gl.int64) * M + rows, gl.zeros([BM], gl.float32, gl.SliceLayout(1, epi)),
+                 mask=row_ok)
+
+
+@gluon.jit
+def _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+              a_ring, b_ring, g_tiles, ready, empty, turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr,
+              B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr,
+              HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
+    n_tiles = gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, BM, E_BLOCK, 4)
+    cap_tiles = gl.cdiv(M - routed, BM) * n_tiles
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    my_tiles = gl.cdiv(gl.maximum(real_tiles + cap_tiles - pid, 0), nprog)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    g_smem = g_tiles.index(WG)
+    turns = 0
+    for j in range(WG, my_tiles, 2):
+        t = pid + j * nprog
+        if t < real_tiles:
+            e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, BM, BN, GROUP_M)
+            # My turn for the mainloop (the engine's ordered-math barrier: see _engine._consumer).
+            mbarrier.wait(turn.index(WG), (turns & 1) ^ (1 - WG))
+            turns += 1
+            acc, it = _mainloop_promoted(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM, BN,
+                                         STAGES, B_KMAJOR)
+            mbarrier.arrive(turn.index(1 - WG))
+            _epilogue(acc, g_smem, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, m0, n0, row_end, M, N, N1, p0, p1, p2,
+                      BM, BN, CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
+        else:
+            cap = t - real_tiles
+            _zeros(gh_ptr, z_ptr, part_ptr, routed + (cap // n_tiles) * BM, (cap % n_tiles) * BN, M, N, N1,
+                   BM, BN, CW, G, STORE_Z, STORE_PARTIAL)
+
+
+@gluon.jit
+def _consumer_wg0(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+                  a_ring, b_ring, g_tiles, ready, empty, turn, BM: gl.constexpr, BN: gl.constexpr,
+                  BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr,
+                  B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr,
+                  HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
+    _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+              a_ring, b_ring, g_tiles, ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
+              CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
+
+
+@gluon.jit
+def _consumer_wg1(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+                  a_ring, b_ring, g_tiles, ready, empty, turn, BM: gl.constexpr, BN: gl.constexpr,
+                  BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr,
+                  B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr,
+                  HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
+    _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+              a_ring, b_ring, g_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
+              CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
+
+
+@gluon.jit
+def fc2_dgrad_kernel(
+    a_desc,  # dy (M, H) bf16, rows grouped by expert; block [BM, BK]
+    b_desc,  # W2: B_KMAJOR (E·F, H) (a transposed-layout weight), block [BN, BK]; else (E·H, F), block [BK, BN]
+    h_ptr,  # (M, N1) bf16, the forward's stored h
+    gh_ptr,  # (M, N1) bf16, written
+    z_ptr,  # (M, F) bf16, written (STORE_Z)
+    probs_ptr,  # (M,) fp32 / bf16 / fp16 (HAS_PROBS)
+    part_ptr,  # (cdiv(F, BN), M) fp32 dprobs partials, written (STORE_PARTIAL)
+    splits_ptr,  # (E,) int32 / int64
+    E,
+    M,
+    N,  # F
+    K,  # H
+    N1,  # 2F
+    p0,
+    p1,
+    p2,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    E_BLOCK: gl.constexpr,
+    B_KMAJOR: gl.constexpr,
+    CW: gl.constexpr,  # epilogue column chunk
+    G: gl.constexpr,  # GLU interleave: gate / up blocks of G columns
+    ACT: gl.constexpr,
+    HAS_PROBS: gl.constexpr,
+    STORE_Z: gl.constexpr,
+    STORE_PARTIAL: gl.constexpr,
+):
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    if B_KMAJOR:
+        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    else:
+        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+    g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
+    g_tiles = gl.allocate_shared_memory(gl.float32, [2, BM, BN], g_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for w in gl.static_range(2):
+        mbarrier.init(turn.index(w), count=1)
+
+    # The argument tuples are written out in the call: a tuple bound to a name first would turn its
+    # constexprs into runtime values.
+    warp_specialize([
+        (_consumer_wg0, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+                         a_ring, b_ring, g_tiles, ready, empty, turn, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
+                         CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
+        (_consumer_wg1, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+                         a_ring, b_ring, g_tiles, ready, empty, turn, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
+                         CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
+        (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
+                     GROUP_M, E_BLOCK, B_KMAJOR)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def _consumer_own_ring(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1,
+                       p2, a_ring, b_ring, g_tiles, ready, empty, WG: gl.constexpr, BM: gl.constexpr,
+                       BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                       E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr,
+                       ACT: gl.constexpr, HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr,
+                       STORE_PARTIAL: gl.constexpr):
+    """A consumer warpgroup fed by a producer warp of its own (ring WG): the two warpgroups' mainloops
+    run concurrently, so one's promotion wait and its epilogue overlap the other's wgmma."""
+    n_tiles = gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, BM, E_BLOCK, 4)
+    cap_tiles = gl.cdiv(M - routed, BM) * n_tiles
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    my_tiles = gl.cdiv(gl.maximum(real_tiles + cap_tiles - pid, 0), nprog)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    g_smem = g_tiles.index(WG)
+    it = 0
+    for j in range(WG, my_tiles, 2):
+        t = pid + j * nprog
+        if t < real_tiles:
+            e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, BM, BN, GROUP_M)
+            acc, it = _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout, BM, BN, STAGES,
+                                         B_KMAJOR)
+            _epilogue(acc, g_smem, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, m0, n0, row_end, M, N, N1, p0, p1, p2,
+                      BM, BN, CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
+        else:
+            cap = t - real_tiles
+            _zeros(gh_ptr, z_ptr, part_ptr, routed + (cap // n_tiles) * BM, (cap % n_tiles) * BN, M, N, N1,
+                   BM, BN, CW, G, STORE_Z, STORE_PARTIAL)
+
+
+@gluon.jit
+def _own_wg0(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+             a_ring, b_ring, g_tiles, ready, empty, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+             STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr,
+             CW: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr, HAS_PROBS: gl.constexpr,
+             STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
+    _consumer_own_ring(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1,
+                       p2, a_ring, b_ring, g_tiles, ready, empty, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
+                       CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
+
+
+@gluon.jit
+def _own_wg1(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+             a_ring, b_ring, g_tiles, ready, empty, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+             STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr,
+             CW: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr, HAS_PROBS: gl.constexpr,
+             STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
+    _consumer_own_ring(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1,
+                       p2, a_ring, b_ring, g_tiles, ready, empty, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
+                       CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
+
+
+@gluon.jit
+def _producer_lane0(a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM: gl.constexpr,
+                    BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                    E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr):
+    _producer(a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES, GROUP_M,
+              E_BLOCK, B_KMAJOR, 0, 2)
+
+
+@gluon.jit
+def _producer_lane1(a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM: gl.constexpr,
+                    BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                    E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr):
+    _producer(a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES, GROUP_M,
+              E_BLOCK, B_KMAJOR, 1, 2)
+
+
+@gluon.jit
+def fc2_dgrad_kernel_own_rings(
+    a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+    E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr,
+    HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr,
+):
+    """fc2_dgrad_kernel's arguments; STAGES per ring, one ring and one producer warp per consumer."""
+    a_ring0 = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    a_ring1 = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    if B_KMAJOR:
+        b_ring0 = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+        b_ring1 = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    else:
+        b_ring0 = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+        b_ring1 = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+    g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
+    g_tiles = gl.allocate_shared_memory(gl.float32, [2, BM, BN], g_layout)
+    ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready0.index(s), count=1)
+        mbarrier.init(empty0.index(s), count=1)
+        mbarrier.init(ready1.index(s), count=1)
+        mbarrier.init(empty1.index(s), count=1)
+    warp_specialize([
+        (_own_wg0, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+                    a_ring0, b_ring0, g_tiles, ready0, empty0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G,
+                    ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
+        (_own_wg1, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+                    a_ring1, b_ring1, g_tiles, ready1, empty1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G,
+                    ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
+        (_producer_lane0, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring0, b_ring0, ready0, empty0, BM, BN, BK,
+                           STAGES, GROUP_M, E_BLOCK, B_KMAJOR)),
+        (_producer_lane1, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring1, b_ring1, ready1, empty1, BM, BN, BK,
+                           STAGES, GROUP_M, E_BLOCK, B_KMAJOR)),
+    ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])

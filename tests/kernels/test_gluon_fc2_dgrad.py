@@ -1,0 +1,211 @@
+"""FC2_DGRAD on the Gluon engine (moemlp.kernels.gluon.fc2_dgrad): an offline sm_90 compile on any
+machine, and on an H200 its outputs against float64 and against the Triton kernel it replaces, which
+runs the same promoted arithmetic: g_h and z bitwise equal, dprobs within SPEC's 1e-6."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from moemlp.activations import ACTIVATIONS
+from moemlp.kernels.gluon import _compat
+
+needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks: {_compat.missing()}")
+
+
+def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import _runtime
+
+    from moemlp.kernels.gluon import _engine, _fc2_dgrad, _launch
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("triton ships no cuobjdump here")
+    gl = _compat.gl
+    BM, BN, BK = _launch.BM_PROMOTED, _launch.BN, _launch.BK
+
+    def desc(block):
+        return f"tensordesc<bf16[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
+
+    constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=_launch.STAGES, GROUP_M=_launch.GROUP_M, E_BLOCK=128,
+                      B_KMAJOR=b_kmajor, CW=_launch.DGRAD_CW, G=G, ACT=act, HAS_PROBS=True, STORE_Z=True,
+                      STORE_PARTIAL=True)  # fmt: skip
+    sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN, BK] if b_kmajor else [BK, BN]), "h_ptr": "*bf16",
+           "gh_ptr": "*bf16", "z_ptr": "*bf16", "probs_ptr": f"*{probs}", "part_ptr": "*fp32",
+           "splits_ptr": "*i32", "E": "i32", "M": "i32", "N": "i32", "K": "i32", "N1": "i32",
+           "p0": "fp32", "p1": "fp32", "p2": "fp32"}  # fmt: skip
+    sig.update({name: "constexpr" for name in constexprs})
+    names = list(sig)
+    # As a launch on real shapes specializes them: 16-aligned pointers, sizes multiples of 16.
+    divisible = ("h_ptr", "gh_ptr", "z_ptr", "probs_ptr", "part_ptr", "splits_ptr", "N", "K", "N1")
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = _runtime.GluonASTSource(fn=_fc2_dgrad.fc2_dgrad_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": _engine.NUM_WARPS, "maxnreg": _engine.MAXNREG})
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moemlp_fc2_dgrad_sm90_{os.getpid()}.cubin")
+    with open(path, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+    return sass, usage, compiled.metadata.shared
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "b_kmajor, G, act, probs",
+    [
+        pytest.param(False, 768, 0, "fp32", id="swiglu-halves"),  # qwen3 / mixtral / deepseek: W2 (E, H, F)
+        pytest.param(True, 1, 1, "fp32", id="clamped-interleaved-T"),  # gpt-oss: W2 read transposed, G = 1
+        pytest.param(False, 64, 0, "bf16", id="swiglu-G64-bf16probs"),  # 64-column GLU blocks, bf16 probs
+    ],
+)
+def test_offline_sm90_compile(b_kmajor, G, act, probs):
+    sass, usage, shared = _compile_sm90(b_kmajor, G, act, probs)
+    # Promoted 64-row tiles: per warpgroup one step of BK/16 = 4 m64n128k16 wgmma, each chain from zero.
+    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16", sass)) == 8
+    assert sum("RZ, !UPT" in line for line in sass.splitlines() if "HGMMA" in line) == 2
+    assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", sass)
+    assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", sass)
+    if G % 8 == 0:
+        # h's gate / up columns are contiguous runs of G: 16-byte vector loads and stores.
+        assert re.search(r"\bLDG\.E\.128\b", sass) and re.search(r"\bSTG\.E\.128\b", sass)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    assert regs <= 168, usage
+    assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
+    # 4 stages × 24 KiB + 2 fp32 epilogue tiles × 32 KiB + barriers, within sm_90's 227 KiB a CTA
+    assert 160 * 1024 <= shared <= 227 * 1024, shared
+
+
+def test_not_selected_off_gpu():
+    # The MLP asks the engine only for CUDA tensors; on the CPU (and under the interpreter) the
+    # Triton kernel runs.
+    from moemlp._config import MLPConfig
+    from moemlp.kernels.operands import _engine_fc2_dgrad
+
+    cfg = MLPConfig(ACTIVATIONS["swiglu"], (), 8, False)
+    t = torch.zeros(16, 16, dtype=torch.bfloat16)
+    assert not _engine_fc2_dgrad(t, torch.zeros(2, 16, 8, dtype=torch.bfloat16), t, t, None, cfg)
+
+
+# (splits, M, H, F, activation, params, G, W2 transposed, probs dtype, z stored): one comment each.
+CASES = [
+    pytest.param([300, 0, 5, 250, 100], 700, 256, 200, "swiglu", (), None, False, torch.float32, True,
+                 id="ragged-capacity"),  # empty expert, a 5-row one, 45 capacity rows, F % 128 != 0
+    pytest.param([300, 0, 5, 250, 100], 700, 256, 200, "swiglu", (), 8, False, torch.bfloat16, False,
+                 id="G8-bf16probs-noz"),  # 8-column GLU blocks, bf16 probs upcast, no z
+    pytest.param([131, 257, 1, 389], 778, 320, 136, "clamped_swiglu", (7.0, 1.702, 1.0), 1, True, torch.float32,
+                 True, id="gptoss-like"),  # gate / up column by column, W2 read transposed, odd splits
+    pytest.param([33, 70, 0, 129, 5, 256, 17], 510, 192, 384, "swiglu", (), None, False, torch.float32, True,
+                 id="prime-E"),  # E = 7
+    pytest.param([0, 0, 1000, 0, 0], 1000, 128, 256, "swiglu", (), None, False, torch.float32, True,
+                 id="all-rows-in-one-expert"),
+    pytest.param([700, 700], 1000, 128, 128, "swiglu", (), None, False, torch.float32, True,
+                 id="splits-past-M"),  # the running sum is clamped at M
+    pytest.param([64] * 16, 1024, 512, 256, "clamped_swiglu", (7.0, 1.702, 1.0), None, False, torch.float32, True,
+                 id="64-row-experts"),  # every expert one 64-row tile
+]
+
+
+@pytest.fixture(scope="module")
+def engine_runs():
+    from moemlp.kernels.gluon import why_unavailable
+    from moemlp.kernels.gluon._smoke import why_engine_fails
+
+    if why_unavailable():
+        pytest.skip(why_unavailable())
+    reason = why_engine_fails(timeout_s=240)
+    if reason:
+        pytest.fail(reason)
+
+
+def _dprobs_float64(dy, w2, h, splits, F, G, activation, params):
+    """Σ_f g_z·a in float64 on the stored h, splits clamped as the kernels clamp them; (dprobs, routed rows)."""
+    M = dy.shape[0]
+    rows = splits.to(torch.int64).clamp(0, M)
+    cum = rows.cumsum(0)
+    ends, starts = cum.clamp(max=M), (cum - rows).clamp(max=M)
+    g_z = torch.zeros(M, F, dtype=torch.float64, device=dy.device)
+    for e in range(w2.shape[0]):  # per expert
+        s, t = int(starts[e]), int(ends[e])
+        g_z[s:t] = dy[s:t].double() @ w2[e].double()
+    f = torch.arange(F, device=dy.device)
+    gate_col = (f // G) * 2 * G + f % G
+    spec = ACTIVATIONS[activation]
+    a = spec.fn(h[:, gate_col].double(), h[:, gate_col + G].double(), *params)
+    routed = int(ends[-1])
+    return (g_z * a).sum(1)[:routed], routed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits_list, M, H, F, activation, params, G, transposed, probs_dtype, store_z", CASES)
+def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, probs_dtype, store_z, engine_runs):
+    from moemlp._config import MLPConfig
+    from moemlp.kernels import operands
+    from moemlp.kernels.gemm import launch
+    from moemlp.kernels.gluon import fc2_dgrad, fc2_dgrad_supports
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    E = len(splits_list)
+    G = G or F
+    spec = ACTIVATIONS[activation]
+    dy = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
+    h = (2 * torch.randn(M, 2 * F, device=dev)).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, F, device=dev) * H**-0.5).to(torch.bfloat16)
+    if transposed:  # the transposed view of a contiguous (E, F, H), as transformers' gpt-oss stores it
+        w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    splits = torch.tensor(splits_list, device=dev, dtype=torch.int32)
+    probs = torch.rand(M, device=dev).to(probs_dtype)
+    assert fc2_dgrad_supports(dy, w2, h, spec.kernel_id, True) == ""
+    pp = tuple(params) + (0.0,) * (3 - len(params))
+
+    def engine():
+        g_h = torch.full((M, 2 * F), float("nan"), device=dev, dtype=torch.bfloat16)
+        z = torch.full((M, F), float("nan"), device=dev, dtype=torch.bfloat16) if store_z else None
+        part = fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True, glu_interleave=G,
+                         activation_id=spec.kernel_id, params=pp)  # fmt: skip
+        return g_h, z, part
+
+    def dprobs_of(part):
+        d = torch.empty(M, device=dev, dtype=probs.dtype)
+        launch.launch_dprobs_reduce(partial=part, dy=dy, fc2_bias=None, splits=splits, dprobs=d, bias_term=False)
+        return d
+
+    g_h, z, part = engine()
+    # The Triton kernel on the same operands: the same promoted 64-deep products and activation formulas.
+    cfg = MLPConfig(spec, tuple(params), G, False)
+    (W2,) = operands.weights((w2,), None)
+    g_h_t = torch.empty_like(g_h)
+    z_t = torch.empty_like(z) if store_z else None
+    part_t = launch.launch_grouped_gemm("fc2_dgrad", a=dy, b=W2.dgrad().b, b_strides=W2.dgrad().strides,
+                                        splits=splits, out=g_h_t, N=F, K=H, N1=2 * F, cfg=cfg, probs=probs, z=z_t,
+                                        h=h, dprobs_partials=True)  # fmt: skip
+    torch.cuda.synchronize()
+    ref, routed = _dprobs_float64(dy, w2, h, splits, F, G, activation, params)
+
+    assert not torch.isnan(g_h).any(), "g_h left unwritten"
+    assert torch.equal(g_h, g_h_t), f"{int((g_h != g_h_t).sum())} g_h elements differ from the Triton kernel's"
+    assert torch.equal(g_h[routed:], torch.zeros_like(g_h[routed:]))  # capacity rows
+    if store_z:
+        assert not torch.isnan(z).any(), "z left unwritten"
+        assert torch.equal(z, z_t)
+    assert torch.equal(part[:, routed:], torch.zeros_like(part[:, routed:]))
+    dprobs = dprobs_of(part)
+    assert dprobs.dtype == probs.dtype
+    if routed:
+        err = float(torch.linalg.vector_norm(dprobs[:routed].double() - ref) / torch.linalg.vector_norm(ref))
+        err_t = float(torch.linalg.vector_norm(dprobs_of(part_t)[:routed].double() - ref) / torch.linalg.vector_norm(ref))
+        # SPEC §1's 1e-6 for fp32 probs; a bf16 probs is rounded once in the reduce's store.
+        bound = 1e-6 if probs_dtype == torch.float32 else 2.0**-8
+        assert err <= bound, (err, err_t)
+    assert torch.equal(engine()[2], part), "two runs on the same inputs give different dprobs partials"
