@@ -1,10 +1,8 @@
 """FC2_DGRAD with its fused epilogue (dSwiGLU · probs → g_h, z, dprobs partials) at the model shapes:
-the Triton kernel beside the Gluon engine's kernel, in both of the engine's schedules
-(``rings=1``: one ring, the two consumers' mainloops take turns; ``rings=2``: one ring and one
-producer warp per consumer, the mainloops run concurrently). Before timing, every engine result is
-checked against the Triton kernel's (g_h and z bitwise) and dprobs against float64 on the same h.
-Then forward + backward of ``grouped_mlp`` with FC2_DGRAD on each path (``MOEMLP_GLUON=0`` keeps it
-on Triton).
+the Triton kernel beside the Gluon engine's (kernels/gluon/_fc2_dgrad.py). Before timing, the
+engine's g_h and z are checked bitwise against the Triton kernel's and both dprobs against float64
+on the same h (SPEC §1: 1e-6). Then forward + backward of ``grouped_mlp`` with FC2_DGRAD on each
+path (``MOEMLP_GLUON=0`` keeps it on Triton).
 
     PYTHONPATH=src python3 benchmarks/bench_fc2_dgrad.py [--shapes a,b] [--rep-ms 100]
 """
@@ -12,7 +10,6 @@ on Triton).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 
 import torch
@@ -53,9 +50,9 @@ def bench_shape(shape, rep_ms: int) -> dict:
                                           splits=splits, out=g_h, N=F, K=H, N1=2 * F, cfg=cfg, probs=probs, z=z,
                                           h=h, dprobs_partials=True)  # fmt: skip
 
-    def engine_path(rings, g_h, z):
+    def engine_path(g_h, z):
         return gluon.fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True, glu_interleave=F,
-                               activation_id=0, params=(0.0, 0.0, 0.0), rings=rings)  # fmt: skip
+                               activation_id=0, params=(0.0, 0.0, 0.0))  # fmt: skip
 
     def dprobs_of(part):
         d = torch.empty_like(probs)
@@ -63,8 +60,7 @@ def bench_shape(shape, rep_ms: int) -> dict:
         return d
 
     ref = _dprobs_float64(dy, w2, h, splits, F)
-    paths = {"triton": triton_path, "gluon_1ring": functools.partial(engine_path, 1),
-             "gluon_2rings": functools.partial(engine_path, 2)}
+    paths = {"triton": triton_path, "gluon": engine_path}
     outs = {}
     row = {"shape": shape.name, "rows_per_expert": M / shape.experts}
     for name, fn in paths.items():
@@ -96,14 +92,11 @@ def bench_shape(shape, rep_ms: int) -> dict:
     def step():
         return torch.autograd.grad(grouped_mlp(x, splits, probs, w1, w2), leaves, dy)
 
-    original = gluon.fc2_dgrad
-    for name, env, rings in (("step_triton", "0", 1), ("step_gluon_1ring", "1", 1), ("step_gluon_2rings", "1", 2)):
+    for name, env in (("step_triton", "0"), ("step_gluon", "1")):
         os.environ["MOEMLP_GLUON"] = env
-        gluon.fc2_dgrad = functools.partial(original, rings=rings)
         try:
             row[f"{name}_ms"] = time_ms(step, dev, rep_ms=rep_ms).median
         finally:
-            gluon.fc2_dgrad = original
             os.environ.pop("MOEMLP_GLUON")
     return row
 
@@ -121,10 +114,10 @@ def main() -> None:
         rows.append(bench_shape(GPU_SHAPES[name], args.rep_ms))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    print_table(rows, ["shape", "rows_per_expert", "triton_pct_mm", "gluon_1ring_pct_mm", "gluon_2rings_pct_mm",
-                       "triton_dprobs_err", "gluon_1ring_dprobs_err", "gluon_2rings_dprobs_err"],
+    print_table(rows, ["shape", "rows_per_expert", "triton_pct_mm", "gluon_pct_mm", "triton_dprobs_err",
+                       "gluon_dprobs_err"],
                 "FC2_DGRAD with its epilogue and the dprobs reduce, % of a dense torch.mm of the same FLOPs")
-    print_table(rows, ["shape", "step_triton_ms", "step_gluon_1ring_ms", "step_gluon_2rings_ms"],
+    print_table(rows, ["shape", "step_triton_ms", "step_gluon_ms"],
                 "forward + backward of grouped_mlp, median ms")
 
 

@@ -386,8 +386,9 @@ def _engine_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, g_h: Tensor, z: Optiona
     (its dprobs partials differ only in their summation order)."""
     if dy.device.type != "cuda" or os.environ.get("MOEMLP_GLUON", "1") == "0":
         return False
-    if g_h.dtype != torch.bfloat16 or (z is not None and z.dtype != torch.bfloat16):
-        return False
+    for out in (g_h, z):  # written with h's row stride, as bf16
+        if out is not None and (out.dtype != torch.bfloat16 or not out.is_contiguous()):
+            return False
     return not gluon.fc2_dgrad_supports(dy, w2, h, cfg.activation.kernel_id, cfg.glu)
 
 

@@ -114,17 +114,13 @@ def _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, BM: gl.constexpr, BN:
 @gluon.jit
 def _producer(a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, LANE: gl.constexpr = 0,
-              LANES: gl.constexpr = 1):
-    """Loads this CTA's real tiles j ≡ LANE (mod LANES) into its ring, in order: LANES = 1 feeds the
-    whole CTA through one ring, LANES = 2 one ring per consumer warpgroup."""
+              GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr):
     n_tiles = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, BM, E_BLOCK, 1)
     stage_bytes: gl.constexpr = (BM + BN) * BK * 2
     it = 0
-    nprog = gl.num_programs(0)
-    for t in range(gl.program_id(0) + LANE * nprog, real_tiles, LANES * nprog):
+    for t in range(gl.program_id(0), real_tiles, gl.num_programs(0)):
         e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, BM, BN, GROUP_M)
         for kk in range(k_steps):
             s = it % STAGES

@@ -28,6 +28,24 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _device_reason(device_index: int) -> str:
+    """``why_unavailable`` for one CUDA device, asked once: the per-launch check is on the host's path."""
+    return why_unavailable(torch.device("cuda", device_index))
+
+
+@functools.cache
+def _smem_layout(block: tuple[int, int], fp32: bool = False):
+    """The NVMMA shared layout of a TMA block of bf16 (or fp32) elements, built once per block."""
+    from ._compat import gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float32 if fp32 else gl.bfloat16)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _check(a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: torch.Tensor | None, b_layout: str,
            out_dtype: torch.dtype) -> None:
     for name, t in (("a", a), ("b", b), ("splits", splits)):
@@ -124,7 +142,7 @@ def grouped_gemm(
     reason = why_unavailable(a.device)
     if reason:
         raise RuntimeError(f"grouped_gemm: the Gluon engine cannot run here: {reason}")
-    from ._compat import TensorDescriptor, gl
+    from ._compat import TensorDescriptor
     from ._engine import MAXNREG, NUM_WARPS, grouped_gemm_kernel
 
     M, K = a.shape
@@ -136,19 +154,15 @@ def grouped_gemm(
         return out
     if K == 0 or E == 0:
         return out.zero_()
-    c_gl = gl.bfloat16 if out_dtype == torch.bfloat16 else gl.float32
     # Promoted: the total and the product in flight are 2 × 64 registers at 64 rows (2 × 128 at 128
     # would not fit). Ring 4 × 24 KiB + 2 fp32 C tiles × 32 KiB = 160 KiB.
     bm = BM_PROMOTED if promote else BM
     stages = STAGES if (out_dtype == torch.bfloat16 or promote) else STAGES_FP32_OUT
-    a_layout = gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16)
-    b_block = [BN, BK] if kmajor else [BK, BN]
-    b_layout_smem = gl.NVMMASharedLayout.get_default_for(b_block, gl.bfloat16)
-    c_layout = gl.NVMMASharedLayout.get_default_for([bm, BN], c_gl)
+    b_block = (BN, BK) if kmajor else (BK, BN)
     bind_context(a.device)  # the descriptors are encoded on this thread (kernels/_cuda_context.py)
-    a_desc = TensorDescriptor.from_tensor(a, [bm, BK], a_layout)
-    b_desc = TensorDescriptor.from_tensor(b.view(E * b.shape[1], b.shape[2]), b_block, b_layout_smem)
-    c_desc = TensorDescriptor.from_tensor(out, [bm, BN], c_layout)
+    a_desc = TensorDescriptor.from_tensor(a, [bm, BK], _smem_layout((bm, BK)))
+    b_desc = TensorDescriptor.from_tensor(b.view(E * b.shape[1], b.shape[2]), list(b_block), _smem_layout(b_block))
+    c_desc = TensorDescriptor.from_tensor(out, [bm, BN], _smem_layout((bm, BN), out_dtype == torch.float32))
     e_block = max(32, 1 << (E - 1).bit_length())
     # Static bound on the tile count (M rows over E experts make at most cdiv(M, BM) + E m-tiles,
     # capacity included), so the grid needs no device read.
@@ -190,7 +204,9 @@ def fc2_dgrad_supports(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, acti
             return f"H not a multiple of {BK} with W2 as (E, H, F)"
     elif not w2.transpose(1, 2).is_contiguous():
         return "W2 neither contiguous nor the transposed view of a contiguous tensor"
-    return why_unavailable(dy.device)
+    if dy.device.type != "cuda":
+        return "not a CUDA tensor"
+    return _device_reason(_index(dy.device))
 
 
 def fc2_dgrad(
@@ -206,15 +222,14 @@ def fc2_dgrad(
     glu_interleave: int,
     activation_id: int,
     params: tuple[float, float, float],
-    rings: int = 1,
 ) -> torch.Tensor | None:
     """The MLP's FC2_DGRAD on the engine: g_z = dy[R_e] @ W2[e] in fp32 (each 64-deep product promoted),
     then g_h = g_z·p·act'(h), z = act(h)·p and the dprobs partials Σ_f g_z·a of each 128-column tile
     (returned, (⌈F/128⌉, M) fp32, when asked). Capacity rows get zeros. The caller checked
     ``fc2_dgrad_supports``."""
-    from ._compat import TensorDescriptor, gl
+    from ._compat import TensorDescriptor
     from ._engine import MAXNREG, NUM_WARPS
-    from ._fc2_dgrad import fc2_dgrad_kernel, fc2_dgrad_kernel_own_rings
+    from ._fc2_dgrad import fc2_dgrad_kernel
 
     M, H = dy.shape
     E, _, F = w2.shape
@@ -233,22 +248,20 @@ def fc2_dgrad(
     bm = BM_PROMOTED
     kmajor = not w2.is_contiguous()  # the transposed view of a contiguous (E, F, H): B as (E·F, H)
     b2d = w2.transpose(1, 2).reshape(E * F, H) if kmajor else w2.view(E * H, F)
-    b_block = [BN, BK] if kmajor else [BK, BN]
+    b_block = (BN, BK) if kmajor else (BK, BN)
     bind_context(dy.device)
-    a_desc = TensorDescriptor.from_tensor(dy, [bm, BK], gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16))
-    b_desc = TensorDescriptor.from_tensor(b2d, b_block, gl.NVMMASharedLayout.get_default_for(b_block, gl.bfloat16))
+    a_desc = TensorDescriptor.from_tensor(dy, [bm, BK], _smem_layout((bm, BK)))
+    b_desc = TensorDescriptor.from_tensor(b2d, list(b_block), _smem_layout(b_block))
     e_block = max(32, 1 << (E - 1).bit_length())
     tile_bound = (-(-M // bm) + E) * -(-F // BN)
-    device_index = dy.device.index if dy.device.index is not None else torch.cuda.current_device()
-    grid = (min(_num_sms(device_index), tile_bound),)
+    grid = (min(_num_sms(_index(dy.device)), tile_bound),)
     dummy = g_h  # never dereferenced: the constexpr flags switch its loads and stores off
     with torch.cuda.device(dy.device):
-        kernel = fc2_dgrad_kernel if rings == 1 else fc2_dgrad_kernel_own_rings
-        kernel[grid](
+        fc2_dgrad_kernel[grid](
             a_desc, b_desc, h, g_h, z if z is not None else dummy, probs if probs is not None else dummy,
             partial if partial is not None else dummy, splits, E, M, F, H, N1,
             float(params[0]), float(params[1]), float(params[2]),
-            BM=bm, BN=BN, BK=BK, STAGES=STAGES if rings == 1 else 3, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor, CW=DGRAD_CW,
+            BM=bm, BN=BN, BK=BK, STAGES=STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor, CW=DGRAD_CW,
             G=glu_interleave, ACT=activation_id, HAS_PROBS=probs is not None, STORE_Z=z is not None,
             STORE_PARTIAL=partial is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
