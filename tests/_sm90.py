@@ -56,12 +56,41 @@ def compile_sm90(
     compiled = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )
+    sass, usage = _disassemble(cuobjdump, compiled.asm["cubin"])
+    return compiled.asm["ptx"], sass, usage
+
+
+def compile_gluon_sm90(kernel, signature: dict, constexprs: dict, divisible: tuple[str, ...], num_warps: int,
+                       maxnreg: int) -> tuple[str, str, int]:
+    """Compiles the Gluon kernel ``kernel`` for sm_90 with ``signature`` (every argument's type,
+    "constexpr" for those in ``constexprs``), the arguments named in ``divisible`` specialized as
+    16-divisible as a launch on real shapes does. Returns (sass, cuobjdump -res-usage, shared bytes)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import _runtime
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("triton ships no cuobjdump here")
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    # Gluon kernels compile through GluonASTSource (the plain ASTSource gives the module no
+    # ttg.num-warps, and the layouts of a warp-specialized region then fail to verify).
+    src = _runtime.GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                             "maxnreg": maxnreg})
+    sass, usage = _disassemble(cuobjdump, compiled.asm["cubin"])
+    return sass, usage, compiled.metadata.shared
+
+
+def _disassemble(cuobjdump: str, cubin: bytes) -> tuple[str, str]:
+    """(SASS, resource usage) of a cubin, through triton's cuobjdump."""
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moemlp_sm90_{os.getpid()}.cubin")
     with open(path, "wb") as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
     try:
         sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(path)
-    return compiled.asm["ptx"], sass, usage
+    return sass, usage

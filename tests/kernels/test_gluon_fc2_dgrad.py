@@ -4,13 +4,12 @@ runs the same promoted arithmetic: g_h and z bitwise equal, dprobs within SPEC's
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 import pytest
 import torch
 
+from _sm90 import compile_gluon_sm90
 from moemlp.activations import ACTIVATIONS
 from moemlp.kernels.gluon import _compat
 
@@ -18,15 +17,9 @@ needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks:
 
 
 def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import _runtime
-
+    """Compiles the fused FC2_DGRAD for sm_90 without a GPU; returns (sass, -res-usage, shared bytes)."""
     from moemlp.kernels.gluon import _engine, _fc2_dgrad, _launch
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("triton ships no cuobjdump here")
     gl = _compat.gl
     BM, BN, BK = _launch.BM_PROMOTED, _launch.BN, _launch.BK
 
@@ -41,22 +34,9 @@ def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str):
            "splits_ptr": "*i32", "E": "i32", "M": "i32", "N": "i32", "K": "i32", "N1": "i32",
            "p0": "fp32", "p1": "fp32", "p2": "fp32"}  # fmt: skip
     sig.update({name: "constexpr" for name in constexprs})
-    names = list(sig)
-    # As a launch on real shapes specializes them: 16-aligned pointers, sizes multiples of 16.
     divisible = ("h_ptr", "gh_ptr", "z_ptr", "probs_ptr", "part_ptr", "splits_ptr", "N", "K", "N1")
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    src = _runtime.GluonASTSource(fn=_fc2_dgrad.fc2_dgrad_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": _engine.NUM_WARPS, "maxnreg": _engine.MAXNREG})
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moemlp_fc2_dgrad_sm90_{os.getpid()}.cubin")
-    with open(path, "wb") as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(path)
-    return sass, usage, compiled.metadata.shared
+    return compile_gluon_sm90(_fc2_dgrad.fc2_dgrad_kernel, sig, constexprs, divisible, _engine.NUM_WARPS,
+                              _engine.MAXNREG)
 
 
 @needs_gluon

@@ -4,13 +4,12 @@ torch._grouped_mm and a float64 reference on ragged splits."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 import pytest
 import torch
 
+from _sm90 import compile_gluon_sm90
 from moemlp.kernels.gluon import _compat
 
 needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks: {_compat.missing()}")
@@ -21,15 +20,8 @@ BM, BN, BK, STAGES, GROUP_M = 128, 128, 64, 4, 8
 def _compile_sm90(e_block: int, splits_dtype: str, b_kmajor: bool = True, out_fp32: bool = False,
                   promote: bool = False):
     """Compiles the engine for sm_90 without a GPU; returns (sass, cuobjdump -res-usage, shared bytes)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import _runtime
-
     from moemlp.kernels.gluon import _engine
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("triton ships no cuobjdump here")
     gl = _compat.gl
 
     def desc(block, dtype="bf16"):
@@ -44,23 +36,8 @@ def _compile_sm90(e_block: int, splits_dtype: str, b_kmajor: bool = True, out_fp
            "c_desc": desc([bm, BN], c), "c_ptr": f"*{c}",
            "splits_ptr": f"*{splits_dtype}", "E": "i32", "M": "i32", "N": "i32", "K": "i32"}
     sig.update({name: "constexpr" for name in constexprs})
-    names = list(sig)
-    # As a launch on real shapes specializes them: 16-aligned pointers, N and K multiples of 16.
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("c_ptr", "splits_ptr", "N", "K")}
-    # Gluon kernels compile through GluonASTSource (the plain ASTSource gives the module no
-    # ttg.num-warps, and the layouts of a warp-specialized region then fail to verify).
-    src = _runtime.GluonASTSource(fn=_engine.grouped_gemm_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": _engine.NUM_WARPS, "maxnreg": _engine.MAXNREG})
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moemlp_gluon_sm90_{os.getpid()}.cubin")
-    with open(path, "wb") as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(path)
-    return sass, usage, compiled.metadata.shared
+    return compile_gluon_sm90(_engine.grouped_gemm_kernel, sig, constexprs, ("c_ptr", "splits_ptr", "N", "K"),
+                              _engine.NUM_WARPS, _engine.MAXNREG)
 
 
 @needs_gluon
