@@ -2,7 +2,7 @@
 """Set-up and run, on a machine with only Python (>= 3.10) and pip.
 
     python3 dev.py bench      # python -m moemlp bench, then precision on the same shapes, in .venv
-    python3 dev.py test       # the test suite in .venv
+    python3 dev.py test       # the test suite in .venv, over up to 8 cores (pytest-xdist)
     python3 dev.py setup      # only create .venv and install
 
 .venv is created with access to the system's site-packages, so a torch that is already installed
@@ -58,7 +58,10 @@ def main(argv: list[str]) -> int:
     if cmd == "setup":
         return 0
     if cmd == "test":
-        return _run([PY, "-m", "pytest", "-q", *rest], cwd=ROOT)
+        # Side by side over the machine's cores (pytest-xdist, in moemlp[test]), at most 8: the Triton
+        # interpreter children are single-threaded and take most of the suite's time.
+        workers = str(min(8, os.cpu_count() or 1))
+        return _run([PY, "-m", "pytest", "-q", "-n", workers, *rest], cwd=ROOT)
     rc = _run([PY, "-m", "moemlp", "bench", *rest], cwd=ROOT)
     if rc == 0 and not {"--moe", "--recipes", "-h", "--help"} & set(rest):
         rc = _run([PY, "-m", "moemlp", "precision", *_precision_args(rest)], cwd=ROOT)

@@ -52,6 +52,19 @@ def dequantized_weight_calls(monkeypatch):
     return calls
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist each worker hands its interpreter children's counts to the controller."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["moemlp_child_results"] = list(_triton_env.CHILD_RESULTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: collect a finished worker's interpreter-child counts."""
+    _triton_env.CHILD_RESULTS.extend(tuple(r) for r in getattr(node, "workeroutput", {}).get("moemlp_child_results", []))
+
+
 def pytest_terminal_summary(terminalreporter):
     """Each TRITON_INTERPRET=1 child counts as one test above; say how many cases ran inside."""
     results = _triton_env.CHILD_RESULTS
