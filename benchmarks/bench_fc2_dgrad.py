@@ -4,12 +4,17 @@ engine's g_h and z are checked bitwise against the Triton kernel's and both dpro
 on the same h (SPEC §1: 1e-6). Then forward + backward of ``grouped_mlp`` with FC2_DGRAD on each
 path (``MOEMLP_GLUON=0`` keeps it on Triton).
 
-    PYTHONPATH=src python3 benchmarks/bench_fc2_dgrad.py [--shapes a,b] [--rep-ms 100]
+``--depths 64,256`` times the engine with each depth of promoted product beside the default, and
+``--triton-bk 64`` the Triton kernel with each K step (its promoted product is one step deep); a
+Triton kernel and an engine of the same depth are checked bitwise against each other.
+
+    PYTHONPATH=src python3 benchmarks/bench_fc2_dgrad.py [--shapes a,b] [--rep-ms 100] [--depths ...] [--triton-bk ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import torch
@@ -20,6 +25,7 @@ from moemlp.activations import ACTIVATIONS
 from moemlp.bench.common import GPU_SHAPES, print_table, routed_problem, time_ms
 from moemlp.kernels import gluon, operands
 from moemlp.kernels.gemm import launch
+from moemlp.kernels.gluon import _launch as gluon_launch
 
 
 def _dprobs_float64(dy, w2, h, splits, F):
@@ -34,7 +40,7 @@ def _dprobs_float64(dy, w2, h, splits, F):
     return dprobs
 
 
-def bench_shape(shape, rep_ms: int) -> dict:
+def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int]) -> dict:
     dev = torch.device("cuda")
     x, splits, probs, w1, w2, dy = routed_problem(shape, dev)
     M, H, F = shape.rows, shape.hidden, shape.ffn
@@ -45,14 +51,23 @@ def bench_shape(shape, rep_ms: int) -> dict:
     operands.gemm("fc1", x, W1, splits=splits, out=h, z=z_fwd, probs=probs, N=F, K=H, N1=2 * F, cfg=cfg)
     del z_fwd
 
-    def triton_path(g_h, z):
-        return launch.launch_grouped_gemm("fc2_dgrad", a=dy, b=W2.dgrad().b, b_strides=W2.dgrad().strides,
-                                          splits=splits, out=g_h, N=F, K=H, N1=2 * F, cfg=cfg, probs=probs, z=z,
-                                          h=h, dprobs_partials=True)  # fmt: skip
+    default = launch.default_config("fc2_dgrad", F, H, True)
 
-    def engine_path(g_h, z):
-        return gluon.fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True, glu_interleave=F,
-                               activation_id=0, params=(0.0, 0.0, 0.0))  # fmt: skip
+    def triton_path(bk):
+        # 4 stages of 64-deep steps, 3 of 128-deep ones (4 would need 256 KiB of shared memory)
+        config = dataclasses.replace(default, BK=bk, num_stages=4 if bk == 64 else 3)
+
+        def run(g_h, z):
+            return launch.launch_grouped_gemm("fc2_dgrad", a=dy, b=W2.dgrad().b, b_strides=W2.dgrad().strides,
+                                              splits=splits, out=g_h, N=F, K=H, N1=2 * F, cfg=cfg, probs=probs,
+                                              z=z, h=h, dprobs_partials=True, config=config)  # fmt: skip
+        return run
+
+    def engine_path(depth):
+        def run(g_h, z):
+            return gluon.fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True,
+                                   glu_interleave=F, activation_id=0, params=(0.0, 0.0, 0.0), promote_depth=depth)
+        return run
 
     def dprobs_of(part):
         d = torch.empty_like(probs)
@@ -60,7 +75,12 @@ def bench_shape(shape, rep_ms: int) -> dict:
         return d
 
     ref = _dprobs_float64(dy, w2, h, splits, F)
-    paths = {"triton": triton_path, "gluon": engine_path}
+    paths = {"triton": triton_path(default.BK), "gluon": engine_path(gluon_launch.PROMOTE_DEPTH)}
+    paths.update({f"triton_bk{bk}": triton_path(bk) for bk in triton_bks})
+    paths.update({f"gluon_d{d}": engine_path(d) for d in depths})
+    depth_of = {"triton": default.BK, "gluon": gluon_launch.PROMOTE_DEPTH}
+    depth_of.update({f"triton_bk{bk}": bk for bk in triton_bks})
+    depth_of.update({f"gluon_d{d}": d for d in depths})
     outs = {}
     row = {"shape": shape.name, "rows_per_expert": M / shape.experts}
     for name, fn in paths.items():
@@ -69,16 +89,19 @@ def bench_shape(shape, rep_ms: int) -> dict:
         part = fn(g_h, z)
         d = dprobs_of(part)
         row[f"{name}_dprobs_err"] = float(torch.linalg.vector_norm(d.double() - ref) / torch.linalg.vector_norm(ref))
+        if not row[f"{name}_dprobs_err"] <= 1e-6:
+            raise SystemExit(f"{shape.name} {name}: dprobs error {row[f'{name}_dprobs_err']:.2e} > 1e-6")
+        # the same depth of promoted product on the other kernel: g_h and z bitwise equal
+        twin = next((o for o in outs if depth_of[o] == depth_of[name] and o.startswith("triton")), None)
+        if twin is not None and not name.startswith("triton"):
+            if not (torch.equal(g_h, outs[twin][0]) and torch.equal(z, outs[twin][1])):
+                raise SystemExit(f"{shape.name} {name}: g_h / z differ from {twin}'s "
+                                 f"({int((g_h != outs[twin][0]).sum())} g_h elements)")
         outs[name] = (g_h, z)
-        if name != "triton":
-            same = torch.equal(g_h, outs["triton"][0]) and torch.equal(z, outs["triton"][1])
-            if not same:
-                raise SystemExit(f"{shape.name} {name}: g_h / z differ from the Triton kernel's "
-                                 f"({int((g_h != outs['triton'][0]).sum())} g_h elements)")
-            if not row[f"{name}_dprobs_err"] <= 1e-6:
-                raise SystemExit(f"{shape.name} {name}: dprobs error {row[f'{name}_dprobs_err']:.2e} > 1e-6")
+        del g_h, z
     g_h, z = outs.pop("triton")
     outs.clear()
+    torch.cuda.empty_cache()
     a = torch.randn(M, H, device=dev, dtype=x.dtype)
     b = torch.randn(H, F, device=dev, dtype=x.dtype)
     t_mm = time_ms(lambda: torch.mm(a, b), dev, rep_ms=rep_ms).median
@@ -105,17 +128,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=",".join(GPU_SHAPES))
     p.add_argument("--rep-ms", type=int, default=100)
+    p.add_argument("--depths", default="", help="engine promoted-product depths to time beside the default")
+    p.add_argument("--triton-bk", default="", help="Triton K steps to time beside the default")
     args = p.parse_args()
+    depths = [int(d) for d in args.depths.split(",") if d]
+    triton_bks = [int(b) for b in args.triton_bk.split(",") if b]
     reason = gluon.why_unavailable()
     if reason:
         raise SystemExit(f"the Gluon engine cannot run here: {reason}")
     rows = []
     for name in args.shapes.split(","):
-        rows.append(bench_shape(GPU_SHAPES[name], args.rep_ms))
+        rows.append(bench_shape(GPU_SHAPES[name], args.rep_ms, depths, triton_bks))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    print_table(rows, ["shape", "rows_per_expert", "triton_pct_mm", "gluon_pct_mm", "triton_dprobs_err",
-                       "gluon_dprobs_err"],
+    names = ["triton", "gluon"] + [f"triton_bk{b}" for b in triton_bks] + [f"gluon_d{d}" for d in depths]
+    print_table(rows, ["shape"] + [f"{n}_dprobs_err" for n in names],
+                "FC2_DGRAD: dprobs against float64 on the same h (SPEC §1: ≤ 1e-6)")
+    print_table(rows, ["shape", "rows_per_expert"] + [f"{n}_pct_mm" for n in names],
                 "FC2_DGRAD with its epilogue and the dprobs reduce, % of a dense torch.mm of the same FLOPs")
     print_table(rows, ["shape", "step_triton_ms", "step_gluon_ms"],
                 "forward + backward of grouped_mlp, median ms")

@@ -11,14 +11,14 @@ import torch
 
 from _sm90 import compile_gluon_sm90
 from moemlp.activations import ACTIVATIONS
-from moemlp.kernels.gluon import _compat
+from moemlp.kernels.gluon import _compat, _launch
 
 needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks: {_compat.missing()}")
 
 
 def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str):
     """Compiles the fused FC2_DGRAD for sm_90 without a GPU; returns (sass, -res-usage, shared bytes)."""
-    from moemlp.kernels.gluon import _engine, _fc2_dgrad, _launch
+    from moemlp.kernels.gluon import _engine, _fc2_dgrad
 
     gl = _compat.gl
     BM, BN, BK = _launch.BM_PROMOTED, _launch.BN, _launch.BK
@@ -27,7 +27,7 @@ def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str):
         return f"tensordesc<bf16[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
 
     constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=_launch.STAGES, GROUP_M=_launch.GROUP_M, E_BLOCK=128,
-                      B_KMAJOR=b_kmajor, CW=_launch.DGRAD_CW, G=G, ACT=act, HAS_PROBS=True, STORE_Z=True,
+                      B_KMAJOR=b_kmajor, CW=_launch.DGRAD_CW, G=G, CHAIN=_launch.PROMOTE_DEPTH // BK, ACT=act, HAS_PROBS=True, STORE_Z=True,
                       STORE_PARTIAL=True)  # fmt: skip
     sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN, BK] if b_kmajor else [BK, BN]), "h_ptr": "*bf16",
            "gh_ptr": "*bf16", "z_ptr": "*bf16", "probs_ptr": f"*{probs}", "part_ptr": "*fp32",
@@ -50,9 +50,16 @@ def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str):
 )
 def test_offline_sm90_compile(b_kmajor, G, act, probs):
     sass, usage, shared = _compile_sm90(b_kmajor, G, act, probs)
-    # Promoted 64-row tiles: per warpgroup one step of BK/16 = 4 m64n128k16 wgmma, each chain from zero.
-    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16", sass)) == 8
-    assert sum("RZ, !UPT" in line for line in sass.splitlines() if "HGMMA" in line) == 2
+    # Promoted 64-row tiles, per warpgroup: one chain of CHAIN steps of BK/16 m64n128k16 wgmma, and the
+    # one-step product of a K that ends mid-chain; each product starts from zero (RZ, no accumulator
+    # input). The only waits are one after each chain step but the last (that step in flight) and one
+    # at each product's end: ptxas serialized no wgmma.
+    chain = _launch.PROMOTE_DEPTH // _launch.BK
+    assert chain == 2
+    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16", sass)) == 2 * (chain + 1) * (_launch.BK // 16)
+    assert sum("RZ, !UPT" in line for line in sass.splitlines() if "HGMMA" in line) == 2 * 2
+    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 2 * 2
+    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)) == 2 * (chain - 1)
     assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", sass)
     assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", sass)
     if G % 8 == 0:
@@ -162,7 +169,7 @@ def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, 
         return d
 
     g_h, z, part = engine()
-    # The Triton kernel on the same operands: the same promoted 64-deep products and activation formulas.
+    # The Triton kernel on the same operands: the same promoted 128-deep products and activation formulas.
     cfg = MLPConfig(spec, tuple(params), G, False)
     (W2,) = operands.weights((w2,), None)
     g_h_t = torch.empty_like(g_h)

@@ -18,7 +18,7 @@ BM, BN, BK, STAGES, GROUP_M = 128, 128, 64, 4, 8
 
 
 def _compile_sm90(e_block: int, splits_dtype: str, b_kmajor: bool = True, out_fp32: bool = False,
-                  promote: bool = False):
+                  promote: int = 0):
     """Compiles the engine for sm_90 without a GPU; returns (sass, cuobjdump -res-usage, shared bytes)."""
     from moemlp.kernels.gluon import _engine
 
@@ -31,7 +31,7 @@ def _compile_sm90(e_block: int, splits_dtype: str, b_kmajor: bool = True, out_fp
     c = "fp32" if out_fp32 else "bf16"
     bm = 64 if promote else BM
     constexprs = dict(BM=bm, BN=BN, BK=BK, STAGES=3 if out_fp32 and not promote else STAGES, GROUP_M=GROUP_M,
-                      E_BLOCK=e_block, B_KMAJOR=b_kmajor, PROMOTE=promote)
+                      E_BLOCK=e_block, B_KMAJOR=b_kmajor, PROMOTE=promote // BK)
     sig = {"a_desc": desc([bm, BK]), "b_desc": desc([BN, BK] if b_kmajor else [BK, BN]),
            "c_desc": desc([bm, BN], c), "c_ptr": f"*{c}",
            "splits_ptr": f"*{splits_dtype}", "E": "i32", "M": "i32", "N": "i32", "K": "i32"}
@@ -49,22 +49,27 @@ def _compile_sm90(e_block: int, splits_dtype: str, b_kmajor: bool = True, out_fp
         pytest.param(256, "i32", True, False, False, id="E256-int32"),  # the largest table the launcher accepts
         pytest.param(128, "i32", False, True, False, id="E128-kn-fp32"),  # W2 read in place, fp32 C
         pytest.param(32, "i32", False, False, False, id="E32-kn-bf16"),  # FC1_DGRAD's dx: W1 read in place
-        pytest.param(128, "i32", False, True, True, id="E128-kn-fp32-promoted"),  # FC2_DGRAD's g_z
+        pytest.param(128, "i32", False, True, 128, id="E128-kn-fp32-promoted"),  # FC2_DGRAD's g_z
+        pytest.param(128, "i32", False, True, 64, id="E128-kn-fp32-promoted64"),  # one-step products
     ],
 )
 def test_offline_sm90_compile(e_block, splits_dtype, b_kmajor, out_fp32, promote):
     sass, usage, shared = _compile_sm90(e_block, splits_dtype, b_kmajor, out_fp32, promote)
-    # Each consumer warpgroup's k-step is 2 m64 halves × BK/16 = 4 wgmma of m64n128k16; the
-    # consumer body is emitted once per warpgroup: 16 in all.
     # Each consumer warpgroup's k-step is BM/64 m64 halves × BK/16 wgmma of m64n128k16, emitted once
-    # per warpgroup (promoted at BM = 64: one m64 row block).
+    # per warpgroup. Promoted (BM = 64, one m64 row block): a chain of promote/BK steps, plus the
+    # one-step product of a K that ends mid-chain when a chain is longer than one step.
+    chain = promote // BK
+    steps = (chain + (1 if chain > 1 else 0)) if promote else 2
     hgmma = re.findall(r"HGMMA\.64x128x16\.F32\.BF16(\S*)", sass)
-    assert len(hgmma) == 2 * (1 if promote else 2) * (BK // 16), len(hgmma)
+    assert len(hgmma) == 2 * steps * (BK // 16), len(hgmma)
     if promote:
-        # Promoted: each step's chain starts from zero (RZ, no accumulator input), and the four k16
-        # wgmma of a step are chained without a wait between them (ptxas did not serialize them).
-        assert sum("RZ, !UPT" in line for line in sass.splitlines() if "HGMMA" in line) == 2
-        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 2
+        # Each product starts from zero (RZ, no accumulator input); the k16 wgmma of a chain are
+        # issued without a wait between them but one after the chain's first step that leaves it in
+        # flight (ptxas serialized nothing), and each product ends in one wait for all.
+        products = 2 if chain > 1 else 1
+        assert sum("RZ, !UPT" in line for line in sass.splitlines() if "HGMMA" in line) == 2 * products
+        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 2 * products
+        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)) == 2 * (chain - 1)
     # The producer's A and B loads; a [BK, BN] = [64, 128] bf16 B block is 256 bytes wide, past the
     # 128-byte swizzle span that one TMA box may cover, so it takes two boxes.
     assert len(re.findall(r"\bUTMALDG\.2D\b", sass)) == (2 if b_kmajor else 3)
@@ -95,6 +100,17 @@ def test_compat_reports_what_is_missing():
     if not torch.cuda.is_available():
         assert not _compat.is_available()
         assert _compat.why_unavailable()
+
+
+@pytest.mark.parametrize("promote", [True, 32, -64, 100.0], ids=["bool", "not-a-step-multiple", "negative", "float"])
+def test_promote_depth_is_checked(promote):
+    """promote is a product depth in elements (0 or a multiple of the 64-deep K step): anything else
+    is refused by name before any tensor is looked at, instead of being read as a step count."""
+    from moemlp.kernels.gluon import grouped_gemm
+
+    t = torch.zeros(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="promote must be 0 or a positive multiple of 64"):
+        grouped_gemm(t, t.view(1, 64, 64), torch.zeros(1, dtype=torch.int32), promote=promote)
 
 
 @pytest.mark.parametrize(
@@ -160,11 +176,12 @@ def engine_runs():
 # (b_layout, out dtype, splits dtype): the forward GEMMs' layout with both splits dtypes, and the
 # dgrads' in-place weight layout with a bf16 C (FC1_DGRAD's dx) and an fp32 C (FC2_DGRAD's g_z).
 VARIANTS = [
-    pytest.param("nk", torch.bfloat16, torch.int32, False, id="nk-bf16-int32"),
-    pytest.param("nk", torch.bfloat16, torch.int64, False, id="nk-bf16-int64"),
-    pytest.param("kn", torch.bfloat16, torch.int32, False, id="kn-bf16"),
-    pytest.param("kn", torch.float32, torch.int64, False, id="kn-fp32"),
-    pytest.param("kn", torch.float32, torch.int32, True, id="kn-fp32-promoted"),  # FC2_DGRAD's g_z
+    pytest.param("nk", torch.bfloat16, torch.int32, 0, id="nk-bf16-int32"),
+    pytest.param("nk", torch.bfloat16, torch.int64, 0, id="nk-bf16-int64"),
+    pytest.param("kn", torch.bfloat16, torch.int32, 0, id="kn-bf16"),
+    pytest.param("kn", torch.float32, torch.int64, 0, id="kn-fp32"),
+    pytest.param("kn", torch.float32, torch.int32, 128, id="kn-fp32-promoted"),  # FC2_DGRAD's g_z, 128-deep products
+    pytest.param("kn", torch.float32, torch.int64, 64, id="kn-fp32-promoted64"),  # 64-deep products
 ]
 
 

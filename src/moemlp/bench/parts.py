@@ -19,7 +19,7 @@ The dense mm has the forward's orientation for the forward and dgrad GEMMs, and 
 the weight gradients. ``grouped_mm`` is the plain GEMM with no epilogue (what the torch composition
 runs before its separate elementwise ops). ``gluon`` is the Gluon engine on the same GEMM with the
 weights read in place and no epilogue: bf16 C for fc1, fc2 and fc1_dgrad; for fc2_dgrad the fp32 g_z
-with each 64-deep product promoted (what dprobs' accuracy needs), so that column is the engine's
+with each 128-deep product promoted (what dprobs' accuracy needs), so that column is the engine's
 speed on the GEMM an unfused FC2_DGRAD would run, not a path moemlp takes.
 """
 
@@ -60,6 +60,7 @@ def run_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int) -> 
     gluon = _gluon_ready(device)
     if gluon:
         from ..kernels.gluon import grouped_gemm as gluon_gemm
+        from ..kernels.gluon._launch import PROMOTE_DEPTH
     print(f"bench --parts on {device_description(device)}", flush=True)
     rows = []
     for shape in shapes:
@@ -109,7 +110,8 @@ def run_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int) -> 
             "fc2": (fc2, lambda: torch._grouped_mm(z, w2.transpose(1, 2), offs=offs),
                     lambda: gluon_gemm(z, w2, splits), (M, F), (F, H)),
             "fc2_dgrad": (fc2_dgrad, lambda: torch._grouped_mm(dy, w2, offs=offs),
-                          lambda: gluon_gemm(dy, w2, splits, b_layout="kn", out_dtype=torch.float32, promote=True),
+                          lambda: gluon_gemm(dy, w2, splits, b_layout="kn", out_dtype=torch.float32,
+                                            promote=PROMOTE_DEPTH),
                           (M, H), (H, F)),
             "fc1_dgrad": (fc1_dgrad, lambda: torch._grouped_mm(g_h, w1, offs=offs),
                           lambda: gluon_gemm(g_h, w1, splits, b_layout="kn"), (M, N1), (N1, H)),

@@ -70,9 +70,10 @@ def default_config(
         # The epilogue holds g_z, h gate/up, a, act' at once, and PROMOTE a second accumulator in
         # the loop: 8 chunks of 16 columns compile without spills (238 registers; 4 chunks: 11
         # local loads; 128×256 spills at any chunking). With PROMOTE: 8 chunks
-        # 1-4% faster than 4; 3 stages 8-11% slower than 4; h loaded before the K loop (91 local
-        # loads) -6% to +5%, not kept.
-        gpu = GemmConfig(128, 128, 64, 8, 4, SUBTILE=8)
+        # 1-4% faster than 4; h loaded before the K loop (91 local loads) -6% to +5%, not kept.
+        # BK = 128: each promoted product is 128 deep, as the Gluon engine's (gluon/_launch.py,
+        # PROMOTE_DEPTH), so both give the same g_h and z bits; 3 stages of 64 KiB.
+        gpu = GemmConfig(128, 128, 128, 8, 3, SUBTILE=8)
     elif kind == "wgrad":
         # Pointer loads: 128×256 at 3 stages beat 128×128 at 4 by 16-27% on all four model shapes.
         gpu = GemmConfig(128, 256, 64, 8, 3)

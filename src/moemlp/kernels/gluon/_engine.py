@@ -167,21 +167,45 @@ def _mainloop(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexp
 
 @gluon.jit
 def _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexpr, BM: gl.constexpr,
-                       BN: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr):
-    """The K loop with each BK-deep product promoted: every step's wgmma starts from zero and its
-    product is added to the fp32 total with a round-to-nearest add. Hopper's tensor cores add into
-    their accumulator with truncation, so one K-deep chain errs like K·2^-24 with a bias; promoted,
-    each chain is BK deep (docs/DECISIONS.md, "FC2_DGRAD promotes each 64-deep product"). One
-    product in flight: the total and the product are 2 × 64 registers at BM = 64; a second product
-    in flight (3 × 64) exceeds what ptxas allocates under the kernel's 168-register launch bound,
-    and it then serializes every wgmma. Returns (total, ring position) with every stage released."""
+                       BN: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr, CHAIN: gl.constexpr):
+    """The K loop with each CHAIN·BK-deep product promoted: the first wgmma of every CHAIN steps starts
+    from zero (``use_acc`` off), the next CHAIN - 1 chain onto it, and the product is waited for and
+    added to the fp32 total with a round-to-nearest add. Hopper's tensor cores add into their
+    accumulator with truncation, so one K-deep chain errs like K·2^-24 with a bias; promoted, each
+    chain is CHAIN·BK deep (docs/DECISIONS.md, "FC2_DGRAD promotes each 64-deep product" and "…
+    128-deep product"). The wait idles this warpgroup's tensor-core work for the add once per chain,
+    not once per step. One product in flight: the total and the product are 2 × 64 registers at
+    BM = 64; a second product in flight (3 × 64) exceeds what ptxas allocates under the kernel's
+    168-register launch bound, and it then serializes every wgmma. Returns (total, ring position)
+    with every stage released."""
     total = gl.zeros([BM, BN], gl.float32, acc_layout)
-    zero = gl.zeros([BM, BN], gl.float32, acc_layout)
-    for kk in range(k_steps):
+    part = gl.zeros([BM, BN], gl.float32, acc_layout)
+    # Whole chains, unrolled: each wait sits in straight-line code after its wgmma. A wait in one arm
+    # of a runtime branch (a chain's end found at run time) made ptxas serialize every wgmma.
+    for c in range(k_steps // CHAIN):
+        for i in gl.static_range(CHAIN):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            pending = warpgroup_mma(a_ring.index(s), _b_operand(b_ring, s, B_KMAJOR), part, use_acc=i > 0,
+                                    is_async=True)
+            if i < CHAIN - 1:
+                part = warpgroup_mma_wait(1, deps=(pending,))
+            else:
+                part = warpgroup_mma_wait(0, deps=(pending,))
+            if i > 0:
+                # one wgmma in flight: the chain's previous step has read its stage
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            it += 1
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))  # the chain's last stage
+        total += part
+    # The last k_steps % CHAIN steps, each its own product (what a CHAIN·BK-deep step of a kernel
+    # whose K ends mid-step computes: the missing products are exact zeros).
+    for kk in range(k_steps % CHAIN):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        part = warpgroup_mma(a_ring.index(s), _b_operand(b_ring, s, B_KMAJOR), zero, is_async=True)
-        part = warpgroup_mma_wait(0, deps=(part,))
+        pending = warpgroup_mma(a_ring.index(s), _b_operand(b_ring, s, B_KMAJOR), part, use_acc=False,
+                                is_async=True)
+        part = warpgroup_mma_wait(0, deps=(pending,))
         mbarrier.arrive(empty.index(s))
         total += part
         it += 1
@@ -244,9 +268,9 @@ def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_r
             mbarrier.wait(turn.index(WG), (turns & 1) ^ (1 - WG))
             turns += 1
             # The ring position: real tiles precede capacity tiles, and each took k_steps stages.
-            if PROMOTE:
+            if PROMOTE > 0:
                 acc, it = _mainloop_promoted(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout,
-                                             BM, BN, STAGES, B_KMAJOR)
+                                             BM, BN, STAGES, B_KMAJOR, PROMOTE)
                 mbarrier.arrive(turn.index(1 - WG))
             else:
                 acc, it = _mainloop(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM, BN, STAGES,
@@ -296,7 +320,7 @@ def grouped_gemm_kernel(
     GROUP_M: gl.constexpr,
     E_BLOCK: gl.constexpr,
     B_KMAJOR: gl.constexpr,  # B (E, N, K) (True) or (E, K, N) (False)
-    PROMOTE: gl.constexpr,  # each BK-deep product added to the fp32 total by itself (BM = 64: registers)
+    PROMOTE: gl.constexpr,  # > 0: each PROMOTE·BK-deep product added to the fp32 total by itself (BM = 64: registers)
 ):
     a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     if B_KMAJOR:

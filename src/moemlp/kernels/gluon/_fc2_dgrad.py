@@ -1,6 +1,6 @@
 """FC2_DGRAD on the warp-specialized engine: g_z = dy[R_e] @ W2[e] with its fused epilogue.
 
-    g_z  = dy @ W2[e]                       fp32, each 64-deep product promoted
+    g_z  = dy @ W2[e]                       fp32, each CHAIN·64-deep product promoted
     part = Σ_f g_z · a                      the tile's dprobs partial, from fp32 g_z and fp32 a
     g_h  = g_z · p · (da/dgate, da/dup)     one rounding to bf16 (gate and up columns of h)
     z    = a · p                            one rounding to bf16, dW2's operand
@@ -106,11 +106,10 @@ def _store_pairs(gh_tile, h_off, pair_mask, g_gate, g_up, BM: gl.constexpr, CW: 
 
 
 @gluon.jit
-def _epilogue(acc, g_smem, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, m0, n0, row_end, M, N, N1, p0, p1, p2,
+def _epilogue(g_smem, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, m0, n0, row_end, M, N, N1, p0, p1, p2,
               BM: gl.constexpr, BN: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr,
               HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
     epi: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // CW, CW // 8], [4, 1], [1, 0])
-    g_smem.store(acc)
     local = gl.arange(0, BM, layout=gl.SliceLayout(1, epi))
     rows = m0 + local
     row_ok = rows < row_end
@@ -186,7 +185,7 @@ def _zeros(gh_ptr, z_ptr, part_ptr, m0, n0, M, N, N1, BM: gl.constexpr, BN: gl.c
 def _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
               a_ring, b_ring, g_tiles, ready, empty, turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr,
-              B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr,
+              B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, CHAIN: gl.constexpr, ACT: gl.constexpr,
               HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
     n_tiles = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
@@ -207,9 +206,10 @@ def _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_
             mbarrier.wait(turn.index(WG), (turns & 1) ^ (1 - WG))
             turns += 1
             acc, it = _mainloop_promoted(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM, BN,
-                                         STAGES, B_KMAJOR)
+                                         STAGES, B_KMAJOR, CHAIN)
             mbarrier.arrive(turn.index(1 - WG))
-            _epilogue(acc, g_smem, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, m0, n0, row_end, M, N, N1, p0, p1, p2,
+            g_smem.store(acc)
+            _epilogue(g_smem, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, m0, n0, row_end, M, N, N1, p0, p1, p2,
                       BM, BN, CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
         else:
             cap = t - real_tiles
@@ -221,22 +221,22 @@ def _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_
 def _consumer_wg0(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
                   a_ring, b_ring, g_tiles, ready, empty, turn, BM: gl.constexpr, BN: gl.constexpr,
                   BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr,
-                  B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr,
+                  B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, CHAIN: gl.constexpr, ACT: gl.constexpr,
                   HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
     _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
               a_ring, b_ring, g_tiles, ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
-              CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
+              CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
 
 
 @gluon.jit
 def _consumer_wg1(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
                   a_ring, b_ring, g_tiles, ready, empty, turn, BM: gl.constexpr, BN: gl.constexpr,
                   BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr,
-                  B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr,
+                  B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, CHAIN: gl.constexpr, ACT: gl.constexpr,
                   HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
     _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
               a_ring, b_ring, g_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
-              CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
+              CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
 
 
 @gluon.jit
@@ -266,6 +266,7 @@ def fc2_dgrad_kernel(
     B_KMAJOR: gl.constexpr,
     CW: gl.constexpr,  # epilogue column chunk
     G: gl.constexpr,  # GLU interleave: gate / up blocks of G columns
+    CHAIN: gl.constexpr,  # K steps per promoted product
     ACT: gl.constexpr,
     HAS_PROBS: gl.constexpr,
     STORE_Z: gl.constexpr,
@@ -292,10 +293,10 @@ def fc2_dgrad_kernel(
     warp_specialize([
         (_consumer_wg0, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
                          a_ring, b_ring, g_tiles, ready, empty, turn, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
-                         CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
+                         CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
         (_consumer_wg1, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
                          a_ring, b_ring, g_tiles, ready, empty, turn, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
-                         CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
+                         CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                      GROUP_M, E_BLOCK, B_KMAJOR)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -17,6 +17,10 @@ STAGES = 4
 # An fp32 C doubles the two epilogue tiles to 128 KiB: 3 stages (96 KiB) keep the total at 224 KiB.
 STAGES_FP32_OUT = 3
 BM_PROMOTED = 64
+# Depth of each promoted tensor-core product (a multiple of BK): the promoted mainloop waits for the
+# product and adds it to the fp32 total once per PROMOTE_DEPTH / BK steps (docs/DECISIONS.md, "…
+# 128-deep product").
+PROMOTE_DEPTH = 128
 GROUP_M = 8
 # The expert table is held in registers by every partition, E_BLOCK / 32 values a lane per field
 # (starts, ends, tile ends): 256 experts keep that at 24 registers in the 40-register producer.
@@ -100,6 +104,12 @@ def _check(a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: torch.Te
             raise ValueError("grouped_gemm: out must be contiguous and start on a 16-byte boundary")
 
 
+def _check_promote(promote: int) -> None:
+    if isinstance(promote, bool) or not isinstance(promote, int) or promote < 0 or promote % BK:
+        raise ValueError(f"grouped_gemm: promote must be 0 or a positive multiple of {BK} (a product's depth), "
+                         f"got {promote!r}")
+
+
 def supports(a: torch.Tensor, b: torch.Tensor, b_layout: str = "nk") -> str:
     """Why the engine cannot take these operands ("" when it can): the shape rules of ``grouped_gemm``
     that a caller with a fallback checks before choosing this path (no device read)."""
@@ -126,18 +136,20 @@ def grouped_gemm(
     *,
     b_layout: str = "nk",
     out_dtype: torch.dtype = torch.bfloat16,
-    promote: bool = False,
+    promote: int = 0,
 ) -> torch.Tensor:
     """C[R_e] = A[R_e] @ B_e for every expert e, R_e the rows between offsets[e-1] and offsets[e]
     (offsets = cumsum(splits), computed on the device). a (M, K) bf16 with rows grouped by expert;
     b bf16 as (E, N, K) with B_e = b[e]ᵀ (``b_layout="nk"``: C = A @ W[e]ᵀ, the forward GEMMs) or as
     (E, K, N) with B_e = b[e] (``"kn"``: C = A @ W[e], the dgrads, read in place); splits (E,)
     int32/int64 on a's device. Returns C (M, N) in ``out_dtype`` (bf16, rounded once, or the fp32
-    accumulator itself), written into ``out`` when given. ``promote``: each 64-deep product is added
-    to the fp32 accumulator with a round-to-nearest add (error bounded by 64·2^-23 for any K, where
-    one tensor-core chain errs like K·2^-24), on 64-row tiles. Rows past Σsplits get 0. Splits are
+    accumulator itself), written into ``out`` when given. ``promote`` (a multiple of 64, 0: off): each
+    ``promote``-deep product is added to the fp32 accumulator with a round-to-nearest add (error
+    bounded by promote·2^-23 for any K, where one tensor-core chain errs like K·2^-24), on 64-row
+    tiles. Rows past Σsplits get 0. Splits are
     clamped on the device (negative → 0 rows, a running sum past M stops at M), never read on the
     host."""
+    _check_promote(promote)
     _check(a, b, splits, out, b_layout, out_dtype)
     reason = why_unavailable(a.device)
     if reason:
@@ -173,7 +185,7 @@ def grouped_gemm(
         grouped_gemm_kernel[grid](
             a_desc, b_desc, c_desc, out, splits, E, M, N, K,
             BM=bm, BN=BN, BK=BK, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor,
-            PROMOTE=promote, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+            PROMOTE=promote // BK, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )
     return out
 
@@ -222,8 +234,10 @@ def fc2_dgrad(
     glu_interleave: int,
     activation_id: int,
     params: tuple[float, float, float],
+    promote_depth: int = PROMOTE_DEPTH,
 ) -> torch.Tensor | None:
-    """The MLP's FC2_DGRAD on the engine: g_z = dy[R_e] @ W2[e] in fp32 (each 64-deep product promoted),
+    """The MLP's FC2_DGRAD on the engine: g_z = dy[R_e] @ W2[e] in fp32 (each ``promote_depth``-deep
+    product promoted),
     then g_h = g_z·p·act'(h), z = act(h)·p and the dprobs partials Σ_f g_z·a of each 128-column tile
     (returned, (⌈F/128⌉, M) fp32, when asked). Capacity rows get zeros. The caller checked
     ``fc2_dgrad_supports``."""
@@ -231,6 +245,8 @@ def fc2_dgrad(
     from ._engine import MAXNREG, NUM_WARPS
     from ._fc2_dgrad import fc2_dgrad_kernel
 
+    if isinstance(promote_depth, bool) or not isinstance(promote_depth, int) or promote_depth <= 0 or promote_depth % BK:
+        raise ValueError(f"fc2_dgrad: promote_depth must be a positive multiple of {BK}, got {promote_depth!r}")
     M, H = dy.shape
     E, _, F = w2.shape
     N1 = h.shape[1]
@@ -262,7 +278,7 @@ def fc2_dgrad(
             partial if partial is not None else dummy, splits, E, M, F, H, N1,
             float(params[0]), float(params[1]), float(params[2]),
             BM=bm, BN=BN, BK=BK, STAGES=STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor, CW=DGRAD_CW,
-            G=glu_interleave, ACT=activation_id, HAS_PROBS=probs is not None, STORE_Z=z is not None,
+            G=glu_interleave, CHAIN=promote_depth // BK, ACT=activation_id, HAS_PROBS=probs is not None, STORE_Z=z is not None,
             STORE_PARTIAL=partial is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
     return partial
