@@ -244,10 +244,14 @@ def _store_zeros(c_desc, c_smem, m0, n0, acc_layout: gl.constexpr, BM: gl.conste
 
 
 @gluon.jit
-def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
-              turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr,
-              PROMOTE: gl.constexpr):
+def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K,
+               WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+               GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, PROMOTE: gl.constexpr):
+    """One consumer warpgroup's tiles, every kernel on the engine: this CTA's j-th tile is warpgroup
+    j % 2's. A real tile runs the mainloop (promoted when PROMOTE > 0) and hands its fp32 accumulator
+    to the epilogue unit, ``epilogue(acc, m0, n0, row_end, WG, args)``; a capacity tile (rows from
+    Σsplits on) calls ``capacity(m0, n0, WG, args)``. ``args`` is the unit's own tuple: the kernel's
+    outputs, sizes and constexprs."""
     n_tiles = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, BM, E_BLOCK, 4)
@@ -257,8 +261,6 @@ def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_r
     my_tiles = gl.cdiv(gl.maximum(real_tiles + cap_tiles - pid, 0), nprog)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
-    c_smem = c_tiles.index(WG)
-
     turns = 0
     for j in range(WG, my_tiles, 2):
         t = pid + j * nprog
@@ -279,27 +281,60 @@ def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_r
                 mbarrier.arrive(turn.index(1 - WG))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-            _store_tile(acc, c_desc, c_ptr, c_smem, m0, n0, row_end, M, N, BM, BN)
+            epilogue(acc, m0, n0, row_end, WG, args)
         else:
             cap = t - real_tiles
-            _store_zeros(c_desc, c_smem, routed + (cap // n_tiles) * BM, (cap % n_tiles) * BN, acc_layout, BM, BN)
-    store_wait(0)
+            capacity(routed + (cap // n_tiles) * BM, (cap % n_tiles) * BN, WG, args)
+    store_wait(0)  # the last TMA stores have left this warpgroup's shared tile
 
 
 @gluon.jit
-def _consumer_wg1(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
-                  turn, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                  GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, PROMOTE: gl.constexpr):
-    _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty, turn,
-              1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE)
+def _plain_epilogue(acc, m0, n0, row_end, WG: gl.constexpr, args):
+    """The plain GEMM's unit: the tile rounded to C's dtype and stored. ``args`` = (c_desc, c_ptr,
+    c_tiles, M, N, BM, BN); its constexprs are read by index into constexpr names (unpacking a tuple
+    would turn them into runtime values)."""
+    BM: gl.constexpr = args[5]
+    BN: gl.constexpr = args[6]
+    _store_tile(acc, args[0], args[1], args[2].index(WG), m0, n0, row_end, args[3], args[4], BM, BN)
 
 
 @gluon.jit
-def _consumer_wg0(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
-                  turn, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                  GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, PROMOTE: gl.constexpr):
-    _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty, turn,
-              0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE)
+def _plain_capacity(m0, n0, WG: gl.constexpr, args):
+    BM: gl.constexpr = args[5]
+    BN: gl.constexpr = args[6]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    _store_zeros(args[0], args[2].index(WG), m0, n0, acc_layout, BM, BN)
+
+
+@gluon.jit
+def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
+              turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+              STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr,
+              PROMOTE: gl.constexpr):
+    _tile_loop(_plain_epilogue, _plain_capacity, (c_desc, c_ptr, c_tiles, M, N, BM, BN), a_ring, b_ring, ready,
+               empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE)
+
+
+@gluon.jit
+def _ring(a_desc, b_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+          B_KMAJOR: gl.constexpr):
+    """The operand ring and its barriers, every kernel on the engine: A and B stages, ``ready`` (TMA
+    bytes landed) and ``empty`` (stage released) per stage, and the two consumers' ``turn`` pair."""
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    if B_KMAJOR:
+        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    else:
+        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for w in gl.static_range(2):
+        mbarrier.init(turn.index(w), count=1)
+    return a_ring, b_ring, ready, empty, turn
 
 
 @gluon.jit
@@ -322,26 +357,16 @@ def grouped_gemm_kernel(
     B_KMAJOR: gl.constexpr,  # B (E, N, K) (True) or (E, K, N) (False)
     PROMOTE: gl.constexpr,  # > 0: each PROMOTE·BK-deep product added to the fp32 total by itself (BM = 64: registers)
 ):
-    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    if B_KMAJOR:
-        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
-    else:
-        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+    a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR)
     c_tiles = gl.allocate_shared_memory(c_desc.dtype, [2, BM, BN], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    for w in gl.static_range(2):
-        mbarrier.init(turn.index(w), count=1)
 
+    # The argument tuples are written out in the call: a tuple bound to a name first would turn its
+    # constexprs into runtime values. Both consumers run _consumer, warpgroup 0 as the default partition.
     warp_specialize([
-        (_consumer_wg0, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
-                         turn, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE)),
-        (_consumer_wg1, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
-                         turn, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE)),
+        (_consumer, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
+                     turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE)),
+        (_consumer, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
+                     turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                      GROUP_M, E_BLOCK, B_KMAJOR)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

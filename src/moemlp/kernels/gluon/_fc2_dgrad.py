@@ -31,10 +31,9 @@ from ._compat import gl, gluon, mbarrier, warp_specialize
 from ._engine import (
     CONSUMER_REGS,
     PRODUCER_REGS,
-    _expert_table,
-    _mainloop_promoted,
     _producer,
-    _tile_coords,
+    _ring,
+    _tile_loop,
 )
 
 SWIGLU = 0
@@ -182,61 +181,47 @@ def _zeros(gh_ptr, z_ptr, part_ptr, m0, n0, M, N, N1, BM: gl.constexpr, BN: gl.c
 
 
 @gluon.jit
+def _dgrad_epilogue(acc, m0, n0, row_end, WG: gl.constexpr, args):
+    """The engine's epilogue unit (_engine._tile_loop) for FC2_DGRAD: the tile's fp32 g_z to this
+    warpgroup's shared tile, then ``_epilogue``. ``args`` = (g_tiles, h_ptr, gh_ptr, z_ptr, probs_ptr,
+    part_ptr, M, N, N1, p0, p1, p2, BM, BN, CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL); the
+    constexprs are read by index into constexpr names (unpacking would make them runtime values)."""
+    BM: gl.constexpr = args[12]
+    BN: gl.constexpr = args[13]
+    CW: gl.constexpr = args[14]
+    G: gl.constexpr = args[15]
+    ACT: gl.constexpr = args[16]
+    HAS_PROBS: gl.constexpr = args[17]
+    STORE_Z: gl.constexpr = args[18]
+    STORE_PARTIAL: gl.constexpr = args[19]
+    g_smem = args[0].index(WG)
+    g_smem.store(acc)
+    _epilogue(g_smem, args[1], args[2], args[3], args[4], args[5], m0, n0, row_end, args[6], args[7], args[8],
+              args[9], args[10], args[11], BM, BN, CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
+
+
+@gluon.jit
+def _dgrad_capacity(m0, n0, WG: gl.constexpr, args):
+    BM: gl.constexpr = args[12]
+    BN: gl.constexpr = args[13]
+    CW: gl.constexpr = args[14]
+    G: gl.constexpr = args[15]
+    STORE_Z: gl.constexpr = args[18]
+    STORE_PARTIAL: gl.constexpr = args[19]
+    _zeros(args[2], args[3], args[5], m0, n0, args[6], args[7], args[8], BM, BN, CW, G, STORE_Z, STORE_PARTIAL)
+
+
+@gluon.jit
 def _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
               a_ring, b_ring, g_tiles, ready, empty, turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr,
               B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, CHAIN: gl.constexpr, ACT: gl.constexpr,
               HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
-    n_tiles = gl.cdiv(N, BN)
-    k_steps = gl.cdiv(K, BK)
-    idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, BM, E_BLOCK, 4)
-    cap_tiles = gl.cdiv(M - routed, BM) * n_tiles
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    my_tiles = gl.cdiv(gl.maximum(real_tiles + cap_tiles - pid, 0), nprog)
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BN, 16])
-    g_smem = g_tiles.index(WG)
-    turns = 0
-    for j in range(WG, my_tiles, 2):
-        t = pid + j * nprog
-        if t < real_tiles:
-            e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, BM, BN, GROUP_M)
-            # My turn for the mainloop (the engine's ordered-math barrier: see _engine._consumer).
-            mbarrier.wait(turn.index(WG), (turns & 1) ^ (1 - WG))
-            turns += 1
-            acc, it = _mainloop_promoted(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM, BN,
-                                         STAGES, B_KMAJOR, CHAIN)
-            mbarrier.arrive(turn.index(1 - WG))
-            g_smem.store(acc)
-            _epilogue(g_smem, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, m0, n0, row_end, M, N, N1, p0, p1, p2,
-                      BM, BN, CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
-        else:
-            cap = t - real_tiles
-            _zeros(gh_ptr, z_ptr, part_ptr, routed + (cap // n_tiles) * BM, (cap % n_tiles) * BN, M, N, N1,
-                   BM, BN, CW, G, STORE_Z, STORE_PARTIAL)
-
-
-@gluon.jit
-def _consumer_wg0(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
-                  a_ring, b_ring, g_tiles, ready, empty, turn, BM: gl.constexpr, BN: gl.constexpr,
-                  BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr,
-                  B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, CHAIN: gl.constexpr, ACT: gl.constexpr,
-                  HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
-    _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
-              a_ring, b_ring, g_tiles, ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
-              CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
-
-
-@gluon.jit
-def _consumer_wg1(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
-                  a_ring, b_ring, g_tiles, ready, empty, turn, BM: gl.constexpr, BN: gl.constexpr,
-                  BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr,
-                  B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, CHAIN: gl.constexpr, ACT: gl.constexpr,
-                  HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
-    _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
-              a_ring, b_ring, g_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
-              CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
+    _tile_loop(_dgrad_epilogue, _dgrad_capacity,
+               (g_tiles, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, M, N, N1, p0, p1, p2, BM, BN, CW, G, ACT,
+                HAS_PROBS, STORE_Z, STORE_PARTIAL),
+               a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK,
+               B_KMAJOR, CHAIN)  # fmt: skip
 
 
 @gluon.jit
@@ -272,31 +257,19 @@ def fc2_dgrad_kernel(
     STORE_Z: gl.constexpr,
     STORE_PARTIAL: gl.constexpr,
 ):
-    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    if B_KMAJOR:
-        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
-    else:
-        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+    a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR)
     g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
     g_tiles = gl.allocate_shared_memory(gl.float32, [2, BM, BN], g_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    for w in gl.static_range(2):
-        mbarrier.init(turn.index(w), count=1)
 
     # The argument tuples are written out in the call: a tuple bound to a name first would turn its
     # constexprs into runtime values.
     warp_specialize([
-        (_consumer_wg0, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
-                         a_ring, b_ring, g_tiles, ready, empty, turn, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
-                         CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
-        (_consumer_wg1, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
-                         a_ring, b_ring, g_tiles, ready, empty, turn, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
-                         CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
+        (_consumer, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+                     a_ring, b_ring, g_tiles, ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
+                     CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
+        (_consumer, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+                     a_ring, b_ring, g_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
+                     CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                      GROUP_M, E_BLOCK, B_KMAJOR)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
