@@ -172,9 +172,10 @@ def _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl
     from zero (``use_acc`` off), the next CHAIN - 1 chain onto it, and the product is waited for and
     added to the fp32 total with a round-to-nearest add. Hopper's tensor cores add into their
     accumulator with truncation, so one K-deep chain errs like K·2^-24 with a bias; promoted, each
-    chain is CHAIN·BK deep (docs/DECISIONS.md, "FC2_DGRAD promotes each 64-deep product" and "…
-    128-deep product"). The wait idles this warpgroup's tensor-core work for the add once per chain,
-    not once per step. One product in flight: the total and the product are 2 × 64 registers at
+    chain is CHAIN·BK deep (docs/DECISIONS.md, "FC2_DGRAD promotes each 64-deep product", "…
+    products 128 deep"). The wait idles this warpgroup's tensor-core work for the add once per chain;
+    64-, 128- and 256-deep products measured level, so that wait is not what bounds the loop. One
+    product in flight: the total and the product are 2 × 64 registers at
     BM = 64; a second product in flight (3 × 64) exceeds what ptxas allocates under the kernel's
     168-register launch bound, and it then serializes every wgmma. Returns (total, ring position)
     with every stage released."""
