@@ -18,8 +18,8 @@ STAGES = 4
 STAGES_FP32_OUT = 3
 BM_PROMOTED = 64
 # Depth of each promoted tensor-core product (a multiple of BK): the promoted mainloop waits for the
-# product and adds it to the fp32 total once per PROMOTE_DEPTH / BK steps (docs/DECISIONS.md, "…
-# 128-deep product").
+# product and adds it to the fp32 total once per PROMOTE_DEPTH / BK steps (docs/DECISIONS.md,
+# "FC2_DGRAD's promoted products 128 deep on both kernels").
 PROMOTE_DEPTH = 128
 GROUP_M = 8
 # The expert table is held in registers by every partition, E_BLOCK / 32 values a lane per field
@@ -104,10 +104,11 @@ def _check(a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: torch.Te
             raise ValueError("grouped_gemm: out must be contiguous and start on a 16-byte boundary")
 
 
-def _check_promote(promote: int) -> None:
-    if isinstance(promote, bool) or not isinstance(promote, int) or promote < 0 or promote % BK:
-        raise ValueError(f"grouped_gemm: promote must be 0 or a positive multiple of {BK} (a product's depth), "
-                         f"got {promote!r}")
+def _check_depth(where: str, name: str, depth: int, zero_ok: bool) -> None:
+    """A promoted product's depth: a positive multiple of BK (or 0, off, where ``zero_ok``)."""
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0 or depth % BK or (depth == 0 and not zero_ok):
+        allowed = f"0 or a positive multiple of {BK}" if zero_ok else f"a positive multiple of {BK}"
+        raise ValueError(f"{where}: {name} must be {allowed} (a product's depth), got {depth!r}")
 
 
 def supports(a: torch.Tensor, b: torch.Tensor, b_layout: str = "nk") -> str:
@@ -149,7 +150,7 @@ def grouped_gemm(
     tiles. Rows past Σsplits get 0. Splits are
     clamped on the device (negative → 0 rows, a running sum past M stops at M), never read on the
     host."""
-    _check_promote(promote)
+    _check_depth("grouped_gemm", "promote", promote, zero_ok=True)
     _check(a, b, splits, out, b_layout, out_dtype)
     reason = why_unavailable(a.device)
     if reason:
@@ -245,8 +246,7 @@ def fc2_dgrad(
     from ._engine import MAXNREG, NUM_WARPS
     from ._fc2_dgrad import fc2_dgrad_kernel
 
-    if isinstance(promote_depth, bool) or not isinstance(promote_depth, int) or promote_depth <= 0 or promote_depth % BK:
-        raise ValueError(f"fc2_dgrad: promote_depth must be a positive multiple of {BK}, got {promote_depth!r}")
+    _check_depth("fc2_dgrad", "promote_depth", promote_depth, zero_ok=False)
     M, H = dy.shape
     E, _, F = w2.shape
     N1 = h.shape[1]
