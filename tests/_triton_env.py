@@ -24,6 +24,20 @@ RUN_CPU_CASES = INTERPRET and not torch.cuda.is_available()
 START_CHILD = not INTERPRET and not torch.cuda.is_available()
 
 
+def _child_env(test_file: str) -> dict:
+    here = os.path.dirname(os.path.abspath(test_file))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
+    # The interpreter runs the kernels one numpy op at a time on one core; under pytest -n 2 two
+    # children share the CI machine's 2 cores, and torch's OpenMP threads (2 each) spun against the
+    # other child: two test_x_index.py children side by side took 90 s, 84 s on one thread each.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+_UNUSED_PLUGINS = ("hypothesispytest", "anyio", "benchmark", "xdist")
+
+
 # (test file, cases passed, cases skipped) of every interpreter child this session ran: each child is
 # one test in the parent's count, so conftest.py's terminal summary reports the cases inside.
 CHILD_RESULTS: list[tuple[str, int, int]] = []
@@ -34,11 +48,13 @@ def run_file_interpreted(test_file: str, timeout: int = 600, keyword: str | None
     ``keyword``: a ``pytest -k`` expression, so that a long file's cases can run in two children
     (two parent tests, which ``-n`` runs side by side)."""
     here = os.path.dirname(os.path.abspath(test_file))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
+    env = _child_env(test_file)
     select = ["-k", keyword] if keyword else []
+    # Without the plugins no child test uses: they took 4 of a child's 9 s of start-up (hypothesis
+    # alone 2 s), and the suite starts 13 such children.
+    unused = [arg for name in _UNUSED_PLUGINS for arg in ("-p", f"no:{name}")]
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, *select],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *unused, test_file, *select],
         env=env, capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(here),
     )
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-4000:]
@@ -51,10 +67,8 @@ def run_file_interpreted(test_file: str, timeout: int = 600, keyword: str | None
 def run_check_interpreted(test_file: str, check: str, *args: str, timeout: int = 120) -> None:
     """``check(*args)`` of ``test_file``'s module in a child process with TRITON_INTERPRET=1 (the
     variable is read when the kernels are defined); fail with its output."""
-    here = os.path.dirname(os.path.abspath(test_file))
     module = os.path.splitext(os.path.basename(test_file))[0]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
+    env = _child_env(test_file)
     code = f"import {module} as t; t.{check}(*{list(args)!r})"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-4000:]

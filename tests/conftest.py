@@ -4,6 +4,27 @@ import torch
 import _triton_env
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "interpreter_child(seconds): the test runs a TRITON_INTERPRET=1 child of about that many seconds "
+        "(the 2-core CI machine); the session starts these first, the longest first",
+    )
+    # pytest-xdist's --dist load hands each worker a quarter of its share of the collection at once,
+    # in order, so which worker ran which interpreter child (1-4 minutes each, most of the suite's
+    # time) fell out of where the files sit in the collection, and the last child could start when
+    # the other worker was nearly done. One test at a time, children first (pytest_collection_
+    # modifyitems), the workers take the next child as they come free and the short tests fill in
+    # the end. Unless the command line asks for another chunk size.
+    if getattr(config.option, "dist", "no") == "load" and getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 1
+
+
+def _child_seconds(item) -> float:
+    marker = item.get_closest_marker("interpreter_child")
+    return marker.kwargs.get("seconds", 0) if marker else 0
+
+
 def pytest_collection_modifyitems(config, items):
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -13,6 +34,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and n_gpus < 2:
             item.add_marker(skip_multi)
+    # The interpreter children first, the longest first (pytest_configure says why); the sort is
+    # stable, so every other test keeps its place. The same order in every xdist worker.
+    items.sort(key=lambda item: -_child_seconds(item))
 
 
 @pytest.fixture

@@ -37,7 +37,10 @@ def _build(entry: str, backend: str, dtype, recipe_mode, device):
     eagerly first (quantizing the weights once, as is_first_microbatch=True does)."""
     recipe = None if recipe_mode is None else recipe_mode.split("+")[0]
     cached = recipe_mode is not None and recipe_mode.endswith("+cached")
-    H, F = 128, 32  # fp8_block blocks 128 deep: H = 128 is one block
+    # GPU: fp8_block blocks 128 deep, H = 128 is one block. CPU: what is checked (compiled == eager, bit
+    # for bit) does not depend on the shape, and under the interpreter H, F = 128, 32 cost 2-3x the time
+    # of 32, 16 (partial blocks of every recipe); fp8_block's full blocks are tests/kernels' cases.
+    H, F = (128, 32) if device == "cuda" else (32, 16)
     if entry == "grouped_mlp":
         p = make_problem([9, 0, 14], H, F, capacity=2, bias=True, seed=12, dtype=dtype, device=device)
         qw = moemlp.quantize_weights(p.fc1_weight, p.fc2_weight, recipe) if cached else None
@@ -111,13 +114,36 @@ def test_cpu_torch_backend(entry, dtype, recipe_mode):
     _check(entry, "torch", dtype, recipe_mode, "cpu", "aot_eager")
 
 
-# Under the interpreter each kernel runs in numpy: bf16 (the dtype that trains) for every entry and
-# recipe mode, fp32 once per entry.
+# Under the interpreter each kernel runs in numpy, 12-29 s a case on the 2-core CI machine: the whole
+# entry x recipe-mode matrix (15 cases) took 296 s. INTERPRETED_SUBSET runs each entry plain and with
+# a cache, each recipe mode and each dtype at least once; the full matrix runs on the GPU (GPU_CASES,
+# inductor) and on the torch backend here (CPU_CASES). What the subset leaves out is run elsewhere
+# under the interpreter too:
+# - grouped_mlp-bfloat16-fp8_block: the same problem and compile as test_weight_reuse.py's
+#   test_cpu_torch_compile_fullgraph;
+# - grouped_mlp-bfloat16-{fp8_block,mxfp8}+cached: test_weight_cache.py's
+#   test_cpu_torch_compile_fullgraph_with_quantized_weights (every recipe, the cache a graph input,
+#   no weight pass inside the compiled graph);
+# - GroupedMLP-bfloat16-fp8_block, MoE-bfloat16-{fp8_block,mxfp8+cached}: the recipe reaches the
+#   kernels through the same GroupedMLP as in the GroupedMLP cases kept;
+# - GroupedMLP-bfloat16-None, {grouped_mlp,GroupedMLP}-float32-None: inside MoE's cases, whose experts
+#   are a GroupedMLP calling grouped_mlp.
+INTERPRETED_SUBSET = {
+    ("grouped_mlp", torch.bfloat16, None),
+    ("GroupedMLP", torch.bfloat16, "fp8_block+cached"),  # is_first_microbatch=False: codes_t, scales
+    ("GroupedMLP", torch.bfloat16, "mxfp8+cached"),  # is_first_microbatch=False: dequantized values
+    ("MoE", torch.bfloat16, None),
+    ("MoE", torch.float32, None),  # the combine's fp32 -> fp32 cast: torch 2.11's dropped gradients
+    ("MoE", torch.bfloat16, "fp8_block+cached"),  # MoE's is_first_microbatch down to its experts
+}
 TRITON_CPU_CASES = [
-    pytest.param(entry, torch.bfloat16, recipe_mode, id=f"{entry}-bfloat16-{recipe_mode}")
+    pytest.param(entry, dtype, recipe_mode, id=f"{entry}-{str(dtype)[6:]}-{recipe_mode}")
     for entry in ENTRIES
+    for dtype in (torch.bfloat16, torch.float32)
     for recipe_mode in RECIPES
-] + [pytest.param(entry, torch.float32, None, id=f"{entry}-float32-None") for entry in ENTRIES]
+    if (entry, dtype, recipe_mode) in INTERPRETED_SUBSET
+]
+assert len(TRITON_CPU_CASES) == len(INTERPRETED_SUBSET)
 
 
 @pytest.mark.skipif(not _triton_env.RUN_CPU_CASES, reason="runs under TRITON_INTERPRET=1 in the child")
@@ -126,6 +152,7 @@ def test_cpu_triton_backend_interpreted(entry, dtype, recipe_mode):
     _check(entry, "triton", dtype, recipe_mode, "cpu", "aot_eager")
 
 
+@pytest.mark.interpreter_child(seconds=70)
 @pytest.mark.skipif(not _triton_env.START_CHILD, reason="runs the CPU cases in a child on a CPU-only machine")
 def test_cpu_cases_under_interpreter():
     _triton_env.run_file_interpreted(__file__)

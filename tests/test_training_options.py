@@ -3,10 +3,17 @@
 import pytest
 import torch
 
+import _triton_env
 import moemlp
 from _cases import make_problem, run
 
 
+# The torch-backend tests run in the parent process only, not again in the interpreter child that
+# runs this file for its Triton cases (2.6 s there).
+in_parent = pytest.mark.skipif(_triton_env.INTERPRET, reason="torch backend: runs in the parent process")
+
+
+@in_parent
 @pytest.mark.parametrize("backend", ["torch"])
 def test_recompute_fc1_same_bits_and_keeps_no_h(backend):
     p = make_problem([21, 0, 17], 32, 16, capacity=3, bias=True, seed=20)
@@ -22,6 +29,7 @@ def test_recompute_fc1_same_bits_and_keeps_no_h(backend):
     assert not any(tuple(t.shape) == (p.x.shape[0], 32) and t is not p.x for t in saved)
 
 
+@in_parent
 def test_accumulate_into_main_grad():
     p = make_problem([21, 0, 17], 32, 16, seed=21)
     _, g_ref = run(p, backend="torch")  # weight grads in bf16 through .grad
@@ -44,6 +52,7 @@ def test_accumulate_into_main_grad():
     assert p.probs.grad.dtype == torch.float32
 
 
+@in_parent
 def test_accumulate_into_main_grad_needs_main_grad():
     p = make_problem([3, 4], 16, 8, seed=22)
     with pytest.raises(ValueError, match="fc1_weight.main_grad"):
@@ -58,11 +67,10 @@ def test_accumulate_into_main_grad_needs_main_grad():
 
 # --- the Triton backend: CPU interpreter in a child process (tests/_triton_env.py), or the GPU ----
 
-import _triton_env  # noqa: E402
-
 _TRITON_HERE = _triton_env.RUN_CPU_CASES or torch.cuda.is_available()
 
 
+@pytest.mark.interpreter_child(seconds=25)
 @pytest.mark.skipif(not _triton_env.START_CHILD, reason="starts the interpreter child on a CPU-only machine")
 def test_triton_cases_under_interpreter():
     _triton_env.run_file_interpreted(__file__)

@@ -18,7 +18,7 @@ import moemlp
 from _cases import GRAD_NAMES, make_problem
 from moemlp import _x_index
 
-H, F = 32, 16
+H, F = 16, 16  # one tile (under the interpreter H = 32 took 1.2x the time of the child)
 # Capacity rows' indices: garbage that would read outside x, or overflow int32 arithmetic, if used.
 GARBAGE = (-7, 10**6, 2**31 - 1, -(2**31))
 
@@ -125,9 +125,12 @@ def check_case(splits, T, kind, capacity, dtype, probs, extra, backend):
     _check_dx(dx, x_index, total, d_rows)
     if total:
         assert d_rows[:total].abs().sum() > 0, "row gradients all 0: the dx check would prove nothing"
-    # two runs, the same bits
-    y2, grads2 = _run(p, x, x_index, backend, recipe=recipe)
-    assert torch.equal(y, y2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    # two runs, the same bits; not under the interpreter (15 s of its child), which runs the programs
+    # one after another in a fixed order: there a second run could differ only through state the first
+    # left behind, and test_triton_backend.py's dprobs contract repeats a backward there
+    if not _triton_env.INTERPRET:
+        y2, grads2 = _run(p, x, x_index, backend, recipe=recipe)
+        assert torch.equal(y, y2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
     return x, x_index, p.splits, d_rows
 
 
@@ -344,6 +347,7 @@ def test_moe_same_bits_as_permute_path_triton(dtype, top_k, seed):
     check_moe_bitwise("triton", dtype, top_k, seed)
 
 
+@pytest.mark.interpreter_child(seconds=57)
 @pytest.mark.skipif(not _triton_env.START_CHILD, reason="runs the CPU cases in a child on a CPU-only machine")
 def test_cpu_cases_under_interpreter():
     _triton_env.run_file_interpreted(__file__)

@@ -26,6 +26,7 @@ runnable = pytest.mark.skipif(
 )
 
 
+@pytest.mark.interpreter_child(seconds=6)
 @pytest.mark.skipif(not _triton_env.START_CHILD, reason="runs the table test in a child on a CPU-only machine")
 def test_table_under_interpreter():
     _triton_env.run_file_interpreted(__file__)

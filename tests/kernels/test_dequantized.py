@@ -18,7 +18,7 @@ import torch
 
 import _triton_env
 from moemlp.recipes import from_key, recipe
-from test_quant import RECIPES, WGRAD_RECIPES, _data, _ties
+from test_quant import INTERPRETED_WGRAD_DTYPE, RECIPES, WGRAD_RECIPES, _data, _ties
 
 interpreted = pytest.mark.skipif(
     not _triton_env.RUN_CPU_CASES,
@@ -36,6 +36,7 @@ DTYPES = [
 BF16_EXACT_ABOVE = 1.75 * 2.0**-117
 
 
+@pytest.mark.interpreter_child(seconds=65)
 @pytest.mark.skipif(not _triton_env.START_CHILD, reason="runs the CPU cases in a child on a CPU-only machine")
 def test_cpu_cases_under_interpreter():
     _triton_env.run_file_interpreted(__file__)
@@ -146,6 +147,9 @@ WGRAD_CASES = [
 ]
 
 
+# Under the interpreter the nvfp4 wgrad variants took 36 s of the child's 78 in both source dtypes: each
+# runs from one source dtype there (test_quant.py's INTERPRETED_WGRAD_DTYPE says why), 14 s less; the
+# GPU runs every pair.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [DTYPES[0], DTYPES[1]])
 @pytest.mark.parametrize("key", WGRAD_RECIPES)
@@ -154,6 +158,8 @@ def test_dequantized_wgrad_matches_qdq_wgrad(device, dtype, key, nan_empty):
     on), act with is_grad=False; Hadamard-rotated values where on; rows past Σsplits are 0."""
     from moemlp.kernels.quant import api as kq
 
+    if device == "cpu" and INTERPRETED_WGRAD_DTYPE.get(key, dtype) != dtype:
+        pytest.skip("under the interpreter nvfp4's Hadamard / stochastic-rounding variants run from one source dtype")
     r = from_key(key)
     out_dtype = kq.exact_dtype(r, dtype)
     cases = WGRAD_CASES + ([([1000, 0, 37, 2048, 500], 64, 512)] if device == "cuda" else [])

@@ -54,6 +54,7 @@ SNR_FLOOR_DB = 24.0
 STORE_ROUNDING = {torch.float32: (0.0, 0.0), torch.bfloat16: (2.0**-8, 2.0**-134), torch.float16: (2.0**-11, 2.0**-25)}
 
 
+@pytest.mark.interpreter_child(seconds=25)
 @pytest.mark.skipif(not _triton_env.START_CHILD, reason="runs the CPU cases in a child on a CPU-only machine")
 def test_cpu_cases_under_interpreter():
     _triton_env.run_file_interpreted(__file__, timeout=300)

@@ -51,6 +51,7 @@ U = 2.0**-24
 SNR_FLOOR_DB = 27.0
 
 
+@pytest.mark.interpreter_child(seconds=40)
 @pytest.mark.skipif(not _triton_env.START_CHILD, reason="runs the CPU cases in a child on a CPU-only machine")
 def test_cpu_cases_under_interpreter():
     _triton_env.run_file_interpreted(__file__, timeout=300)

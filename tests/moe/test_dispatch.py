@@ -157,6 +157,7 @@ def check_triton_gathers_match_torch_bitwise(device):
     assert permute(x0, empty, True).shape == (0, 8) and unpermute(x0, empty, True).shape == (0, 8)
 
 
+@pytest.mark.interpreter_child(seconds=12)
 def test_triton_gathers_match_torch_bitwise():
     if torch.cuda.is_available():
         check_triton_gathers_match_torch_bitwise("cuda")
