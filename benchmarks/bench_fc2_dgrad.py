@@ -1,8 +1,9 @@
 """FC2_DGRAD with its fused epilogue (dSwiGLU · probs → g_h, z, dprobs partials) at the model shapes:
-the Triton kernel beside the Gluon engine's (kernels/gluon/_fc2_dgrad.py). Before timing, the
+the Triton kernel beside the Gluon engine's (kernels/gluon/_fc2_dgrad.py) in both of its tile modes,
+64-row tiles in ping-pong ("gluon") and cooperative 128-row tiles ("gluon_coop"). Before timing, the
 engine's g_h and z are checked bitwise against the Triton kernel's and both dprobs against float64
 on the same h (SPEC §1: 1e-6). Then forward + backward of ``grouped_mlp`` with FC2_DGRAD on each
-path (``MOEMLP_GLUON=0`` keeps it on Triton).
+path (``MOEMLP_GLUON=0`` keeps it on Triton; the engine's tile mode the library's choice).
 
 ``--depths 64,256`` times the engine with each depth of promoted product beside the default, and
 ``--triton-bk 64`` the Triton kernel with each K step (its promoted product is one step deep); a
@@ -63,10 +64,11 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int]) ->
                                               z=z, h=h, dprobs_partials=True, config=config)  # fmt: skip
         return run
 
-    def engine_path(depth):
+    def engine_path(depth, cooperative):
         def run(g_h, z):
             return gluon.fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True,
-                                   glu_interleave=F, activation_id=0, params=(0.0, 0.0, 0.0), promote_depth=depth)
+                                   glu_interleave=F, activation_id=0, params=(0.0, 0.0, 0.0), promote_depth=depth,
+                                   cooperative=cooperative)  # fmt: skip
         return run
 
     def dprobs_of(part):
@@ -75,10 +77,11 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int]) ->
         return d
 
     ref = _dprobs_float64(dy, w2, h, splits, F)
-    paths = {"triton": triton_path(default.BK), "gluon": engine_path(gluon_launch.PROMOTE_DEPTH)}
+    paths = {"triton": triton_path(default.BK), "gluon": engine_path(gluon_launch.PROMOTE_DEPTH, False),
+             "gluon_coop": engine_path(gluon_launch.PROMOTE_DEPTH, cooperative=True)}
     paths.update({f"triton_bk{bk}": triton_path(bk) for bk in triton_bks})
-    paths.update({f"gluon_d{d}": engine_path(d) for d in depths})
-    depth_of = {"triton": default.BK, "gluon": gluon_launch.PROMOTE_DEPTH}
+    paths.update({f"gluon_d{d}": engine_path(d, False) for d in depths})
+    depth_of = {"triton": default.BK, "gluon": gluon_launch.PROMOTE_DEPTH, "gluon_coop": gluon_launch.PROMOTE_DEPTH}
     depth_of.update({f"triton_bk{bk}": bk for bk in triton_bks})
     depth_of.update({f"gluon_d{d}": d for d in depths})
     outs = {}
@@ -141,7 +144,7 @@ def main() -> None:
         rows.append(bench_shape(GPU_SHAPES[name], args.rep_ms, depths, triton_bks))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    names = ["triton", "gluon"] + [f"triton_bk{b}" for b in triton_bks] + [f"gluon_d{d}" for d in depths]
+    names = ["triton", "gluon", "gluon_coop"] + [f"triton_bk{b}" for b in triton_bks] + [f"gluon_d{d}" for d in depths]
     print_table(rows, ["shape"] + [f"{n}_dprobs_err" for n in names],
                 "FC2_DGRAD: dprobs against float64 on the same h (SPEC §1: ≤ 1e-6)")
     print_table(rows, ["shape", "rows_per_expert"] + [f"{n}_pct_mm" for n in names],

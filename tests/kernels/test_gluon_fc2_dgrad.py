@@ -16,7 +16,7 @@ from moemlp.kernels.gluon import _compat, _launch
 needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks: {_compat.missing()}")
 
 
-def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str):
+def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str, a_parts: int = 1):
     """Compiles the fused FC2_DGRAD for sm_90 without a GPU; returns (sass, -res-usage, shared bytes)."""
     from moemlp.kernels.gluon import _engine, _fc2_dgrad
 
@@ -28,7 +28,7 @@ def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str):
 
     constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=_launch.STAGES, GROUP_M=_launch.GROUP_M, E_BLOCK=128,
                       B_KMAJOR=b_kmajor, CW=_launch.DGRAD_CW, G=G, CHAIN=_launch.PROMOTE_DEPTH // BK, ACT=act, HAS_PROBS=True, STORE_Z=True,
-                      STORE_PARTIAL=True)  # fmt: skip
+                      STORE_PARTIAL=True, A_PARTS=a_parts)  # fmt: skip
     sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN, BK] if b_kmajor else [BK, BN]), "h_ptr": "*bf16",
            "gh_ptr": "*bf16", "z_ptr": "*bf16", "probs_ptr": f"*{probs}", "part_ptr": "*fp32",
            "splits_ptr": "*i32", "E": "i32", "M": "i32", "N": "i32", "K": "i32", "N1": "i32",
@@ -41,16 +41,18 @@ def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str):
 
 @needs_gluon
 @pytest.mark.parametrize(
-    "b_kmajor, G, act, probs",
+    "b_kmajor, G, act, probs, a_parts",
     [
-        pytest.param(False, 768, 0, "fp32", id="swiglu-halves"),  # qwen3 / mixtral / deepseek: W2 (E, H, F)
-        pytest.param(True, 1, 1, "fp32", id="clamped-interleaved-T"),  # gpt-oss: W2 read transposed, G = 1
-        pytest.param(False, 64, 0, "bf16", id="swiglu-G64-bf16probs"),  # 64-column GLU blocks, bf16 probs
+        pytest.param(False, 768, 0, "fp32", 1, id="swiglu-halves"),  # qwen3 / mixtral / deepseek: W2 (E, H, F)
+        pytest.param(True, 1, 1, "fp32", 1, id="clamped-interleaved-T"),  # gpt-oss: W2 read transposed, G = 1
+        pytest.param(False, 64, 0, "bf16", 1, id="swiglu-G64-bf16probs"),  # 64-column GLU blocks, bf16 probs
+        pytest.param(False, 768, 0, "fp32", 2, id="swiglu-halves-cooperative"),  # 128-row tiles, both at once
+        pytest.param(True, 1, 1, "fp32", 2, id="clamped-interleaved-T-cooperative"),
     ],
 )
-def test_offline_sm90_compile(b_kmajor, G, act, probs):
-    sass, usage, shared = _compile_sm90(b_kmajor, G, act, probs)
-    # Promoted 64-row tiles, per warpgroup: one chain of CHAIN steps of BK/16 m64n128k16 wgmma, and the
+def test_offline_sm90_compile(b_kmajor, G, act, probs, a_parts):
+    sass, usage, shared = _compile_sm90(b_kmajor, G, act, probs, a_parts)
+    # Promoted 64-row tiles (or 64-row halves of a cooperative tile), per warpgroup: one chain of CHAIN steps of BK/16 m64n128k16 wgmma, and the
     # one-step product of a K that ends mid-chain; each product starts from zero (RZ, no accumulator
     # input). The only waits are one after each chain step but the last (that step in flight) and one
     # at each product's end: ptxas serialized no wgmma.
@@ -69,8 +71,10 @@ def test_offline_sm90_compile(b_kmajor, G, act, probs):
     local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
     assert regs <= 168, usage
     assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
-    # 4 stages × 24 KiB + 2 fp32 epilogue tiles × 32 KiB + barriers, within sm_90's 227 KiB a CTA
-    assert 160 * 1024 <= shared <= 227 * 1024, shared
+    # 4 stages × 24 KiB (ping-pong) or 32 KiB (cooperative: two 64-row A blocks) + 2 fp32 epilogue tiles
+    # × 32 KiB + barriers, within sm_90's 227 KiB a CTA
+    stage = (a_parts * _launch.BM_PROMOTED + _launch.BN) * _launch.BK * 2
+    assert _launch.STAGES * stage + 64 * 1024 <= shared <= 227 * 1024, shared
 
 
 def test_not_selected_off_gpu():
@@ -134,8 +138,10 @@ def _dprobs_float64(dy, w2, h, splits, F, G, activation, params):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cooperative", [False, True], ids=["pingpong", "cooperative"])
 @pytest.mark.parametrize("splits_list, M, H, F, activation, params, G, transposed, probs_dtype, store_z", CASES)
-def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, probs_dtype, store_z, engine_runs):
+def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, probs_dtype, store_z, cooperative,
+                       engine_runs):
     from moemlp._config import MLPConfig
     from moemlp.kernels import operands
     from moemlp.kernels.gemm import launch
@@ -156,11 +162,11 @@ def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, 
     assert fc2_dgrad_supports(dy, w2, h, spec.kernel_id, True) == ""
     pp = tuple(params) + (0.0,) * (3 - len(params))
 
-    def engine():
+    def engine(cooperative=cooperative):
         g_h = torch.full((M, 2 * F), float("nan"), device=dev, dtype=torch.bfloat16)
         z = torch.full((M, F), float("nan"), device=dev, dtype=torch.bfloat16) if store_z else None
         part = fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True, glu_interleave=G,
-                         activation_id=spec.kernel_id, params=pp)  # fmt: skip
+                         activation_id=spec.kernel_id, params=pp, cooperative=cooperative)  # fmt: skip
         return g_h, z, part
 
     def dprobs_of(part):
@@ -196,3 +202,17 @@ def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, 
         bound = 1e-6 if probs_dtype == torch.float32 else 2.0**-8
         assert err <= bound, (err, err_t)
     assert torch.equal(engine()[2], part), "two runs on the same inputs give different dprobs partials"
+    if cooperative:  # the same 64-column chunks of the same products: the ping-pong kernel's partials
+        assert torch.equal(engine(False)[2], part), "the cooperative tiles' dprobs partials differ from ping-pong's"
+
+
+@pytest.mark.parametrize("cooperative", [1, "yes"])
+def test_cooperative_is_checked(cooperative):
+    """cooperative is True, False or None (the launcher's choice): anything else is refused by name."""
+    from moemlp.kernels.gluon import fc2_dgrad
+
+    t = torch.zeros(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="cooperative must be a bool or None"):
+        fc2_dgrad(t, t.view(1, 64, 64), torch.zeros(1, dtype=torch.int32), t, t, z=None, probs=None,
+                  dprobs_partials=False, glu_interleave=32, activation_id=0, params=(0.0, 0.0, 0.0),
+                  cooperative=cooperative)  # fmt: skip

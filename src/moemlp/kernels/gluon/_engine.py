@@ -15,6 +15,11 @@ One CTA per SM, 3 partitions (12 warps: 4 + 4 + 1, padded to warpgroups):
   A ``turn`` mbarrier pair orders the two mainloops (warpgroup w starts tile j only after the other
   finished issuing tile j-1), as CUTLASS's ordered math barrier does: that keeps each consumer at
   most one ring phase ahead of the stages it waits on, so parity waits cannot alias.
+* or, for promoted mainloops, two consumer warpgroups cooperative (A_PARTS = 2): every tile is
+  2·BM rows, each stage holds two BM-row A blocks beside one B block, and warpgroup w takes the w-th
+  A block of every stage, both issuing wgmma at once (each stage's ``empty`` counts both releases).
+  A promoted mainloop waits on each product before adding it; a second warpgroup's wgmma fill
+  those waits, which ping-pong, one warpgroup issuing at a time, cannot.
 
 Tiles: (expert, m-tile, n-tile), m-tiles never straddle experts. The expert table is computed in
 every partition from ``splits`` on the device (clamped: negative → 0 rows, a running sum past M
@@ -114,20 +119,24 @@ def _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, BM: gl.constexpr, BN:
 @gluon.jit
 def _producer(a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr):
+              GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, A_PARTS: gl.constexpr):
+    """BM: a consumer's rows. A_PARTS = 2 (cooperative): a tile is 2·BM rows, its A block loaded as
+    two BM-row parts (ring slots 2s and 2s + 1), one for each consumer, both beside one B block."""
+    TILE_M: gl.constexpr = BM * A_PARTS
     n_tiles = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
-    idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, BM, E_BLOCK, 1)
-    stage_bytes: gl.constexpr = (BM + BN) * BK * 2
+    idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, TILE_M, E_BLOCK, 1)
+    stage_bytes: gl.constexpr = (TILE_M + BN) * BK * 2
     it = 0
     for t in range(gl.program_id(0), real_tiles, gl.num_programs(0)):
-        e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, BM, BN, GROUP_M)
+        e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, TILE_M, BN, GROUP_M)
         for kk in range(k_steps):
             s = it % STAGES
             # A fresh mbarrier passes a wait on parity 1, so the first lap finds every stage empty.
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             expect_bytes(ready.index(s), stage_bytes)
-            tma_load(a_desc, [m0, kk * BK], ready.index(s), a_ring.index(s))
+            for part in gl.static_range(A_PARTS):
+                tma_load(a_desc, [m0 + part * BM, kk * BK], ready.index(s), a_ring.index(s * A_PARTS + part))
             if B_KMAJOR:  # B (E·N, K): the [BN, BK] block of expert e
                 tma_load(b_desc, [e * N + n0, kk * BK], ready.index(s), b_ring.index(s))
             else:  # B (E·K, N): the [BK, BN] block; the launcher asks K % BK == 0 (no straddling)
@@ -167,7 +176,8 @@ def _mainloop(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexp
 
 @gluon.jit
 def _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexpr, BM: gl.constexpr,
-                       BN: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr, CHAIN: gl.constexpr):
+                       BN: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr, CHAIN: gl.constexpr,
+                       A_PARTS: gl.constexpr, PART: gl.constexpr):
     """The K loop with each CHAIN·BK-deep product promoted: the first wgmma of every CHAIN steps starts
     from zero (``use_acc`` off), the next CHAIN - 1 chain onto it, and the product is waited for and
     added to the fp32 total with a round-to-nearest add. Hopper's tensor cores add into their
@@ -177,8 +187,9 @@ def _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl
     64-, 128- and 256-deep products measured level, so that wait is not what bounds the loop. One
     product in flight: the total and the product are 2 × 64 registers at
     BM = 64; a second product in flight (3 × 64) exceeds what ptxas allocates under the kernel's
-    168-register launch bound, and it then serializes every wgmma. Returns (total, ring position)
-    with every stage released."""
+    168-register launch bound, and it then serializes every wgmma. A operand: ring slot
+    s · A_PARTS + PART (this consumer's rows of a cooperative tile). Returns (total, ring position)
+    with every stage released (by this consumer: a cooperative stage's ``empty`` counts both)."""
     total = gl.zeros([BM, BN], gl.float32, acc_layout)
     part = gl.zeros([BM, BN], gl.float32, acc_layout)
     # Whole chains, unrolled: each wait sits in straight-line code after its wgmma. A wait in one arm
@@ -187,8 +198,8 @@ def _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl
         for i in gl.static_range(CHAIN):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            pending = warpgroup_mma(a_ring.index(s), _b_operand(b_ring, s, B_KMAJOR), part, use_acc=i > 0,
-                                    is_async=True)
+            pending = warpgroup_mma(a_ring.index(s * A_PARTS + PART), _b_operand(b_ring, s, B_KMAJOR), part,
+                                    use_acc=i > 0, is_async=True)
             if i < CHAIN - 1:
                 part = warpgroup_mma_wait(1, deps=(pending,))
             else:
@@ -204,8 +215,8 @@ def _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl
     for kk in range(k_steps % CHAIN):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        pending = warpgroup_mma(a_ring.index(s), _b_operand(b_ring, s, B_KMAJOR), part, use_acc=False,
-                                is_async=True)
+        pending = warpgroup_mma(a_ring.index(s * A_PARTS + PART), _b_operand(b_ring, s, B_KMAJOR), part,
+                                use_acc=False, is_async=True)
         part = warpgroup_mma_wait(0, deps=(pending,))
         mbarrier.arrive(empty.index(s))
         total += part
@@ -247,34 +258,53 @@ def _store_zeros(c_desc, c_smem, m0, n0, acc_layout: gl.constexpr, BM: gl.conste
 @gluon.jit
 def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K,
                WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-               GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, PROMOTE: gl.constexpr):
-    """One consumer warpgroup's tiles, every kernel on the engine: this CTA's j-th tile is warpgroup
-    j % 2's. A real tile runs the mainloop (promoted when PROMOTE > 0) and hands its fp32 accumulator
-    to the epilogue unit, ``epilogue(acc, m0, n0, row_end, WG, args)``; a capacity tile (rows from
-    Σsplits on) calls ``capacity(m0, n0, WG, args)``. ``args`` is the unit's own tuple: the kernel's
-    outputs, sizes and constexprs."""
+               GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, PROMOTE: gl.constexpr,
+               A_PARTS: gl.constexpr):
+    """One consumer warpgroup's tiles, every kernel on the engine. Ping-pong (A_PARTS = 1): this CTA's
+    j-th tile is warpgroup j % 2's, BM rows, the mainloops taken in turn. Cooperative (A_PARTS = 2,
+    promoted only): every tile is 2·BM rows, and warpgroup WG takes rows WG·BM on of each, both
+    issuing wgmma at once on the same B stages. A real tile runs the mainloop (promoted when
+    PROMOTE > 0) and hands its fp32 accumulator to the epilogue unit, ``epilogue(acc, m0, n0, row_end,
+    WG, args)`` with m0 this warpgroup's first row; a capacity tile (rows from Σsplits on) calls
+    ``capacity(m0, n0, WG, args)``. ``args`` is the unit's own tuple: the kernel's outputs, sizes and
+    constexprs."""
+    gl.static_assert((A_PARTS == 1) | (PROMOTE > 0), "cooperative tiles take the promoted mainloop")
+    TILE_M: gl.constexpr = BM * A_PARTS
+    COOP: gl.constexpr = A_PARTS == 2
     n_tiles = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
-    idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, BM, E_BLOCK, 4)
-    cap_tiles = gl.cdiv(M - routed, BM) * n_tiles
+    idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, TILE_M, E_BLOCK, 4)
+    cap_tiles = gl.cdiv(M - routed, TILE_M) * n_tiles
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     my_tiles = gl.cdiv(gl.maximum(real_tiles + cap_tiles - pid, 0), nprog)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
+    if COOP:
+        first: gl.constexpr = 0
+        step: gl.constexpr = 1
+        row0: gl.constexpr = WG * BM
+        part: gl.constexpr = WG
+    else:
+        first: gl.constexpr = WG
+        step: gl.constexpr = 2
+        row0: gl.constexpr = 0
+        part: gl.constexpr = 0
     turns = 0
-    for j in range(WG, my_tiles, 2):
+    for j in range(first, my_tiles, step):
         t = pid + j * nprog
         if t < real_tiles:
-            e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, BM, BN, GROUP_M)
-            # My turn for the mainloop: warpgroup 0 waits on parity 1 first (passes at once).
-            mbarrier.wait(turn.index(WG), (turns & 1) ^ (1 - WG))
-            turns += 1
+            e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, TILE_M, BN, GROUP_M)
+            if not COOP:
+                # My turn for the mainloop: warpgroup 0 waits on parity 1 first (passes at once).
+                mbarrier.wait(turn.index(WG), (turns & 1) ^ (1 - WG))
+                turns += 1
             # The ring position: real tiles precede capacity tiles, and each took k_steps stages.
             if PROMOTE > 0:
                 acc, it = _mainloop_promoted(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout,
-                                             BM, BN, STAGES, B_KMAJOR, PROMOTE)
-                mbarrier.arrive(turn.index(1 - WG))
+                                             BM, BN, STAGES, B_KMAJOR, PROMOTE, A_PARTS, part)
+                if not COOP:
+                    mbarrier.arrive(turn.index(1 - WG))
             else:
                 acc, it = _mainloop(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM, BN, STAGES,
                                     B_KMAJOR)
@@ -282,10 +312,10 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
                 mbarrier.arrive(turn.index(1 - WG))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-            epilogue(acc, m0, n0, row_end, WG, args)
+            epilogue(acc, m0 + row0, n0, row_end, WG, args)
         else:
             cap = t - real_tiles
-            capacity(routed + (cap // n_tiles) * BM, (cap % n_tiles) * BN, WG, args)
+            capacity(routed + (cap // n_tiles) * TILE_M + row0, (cap % n_tiles) * BN, WG, args)
     store_wait(0)  # the last TMA stores have left this warpgroup's shared tile
 
 
@@ -312,17 +342,19 @@ def _plain_capacity(m0, n0, WG: gl.constexpr, args):
 def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
               turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
               STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr,
-              PROMOTE: gl.constexpr):
+              PROMOTE: gl.constexpr, A_PARTS: gl.constexpr):
     _tile_loop(_plain_epilogue, _plain_capacity, (c_desc, c_ptr, c_tiles, M, N, BM, BN), a_ring, b_ring, ready,
-               empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE)
+               empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE,
+               A_PARTS)
 
 
 @gluon.jit
 def _ring(a_desc, b_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-          B_KMAJOR: gl.constexpr):
-    """The operand ring and its barriers, every kernel on the engine: A and B stages, ``ready`` (TMA
-    bytes landed) and ``empty`` (stage released) per stage, and the two consumers' ``turn`` pair."""
-    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+          B_KMAJOR: gl.constexpr, A_PARTS: gl.constexpr):
+    """The operand ring and its barriers, every kernel on the engine: A and B stages (A_PARTS BM-row
+    A blocks a stage), ``ready`` (TMA bytes landed) and ``empty`` (stage released: by each of the
+    A_PARTS consumers reading it) per stage, and the two consumers' ``turn`` pair."""
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES * A_PARTS, BM, BK], a_desc.layout)
     if B_KMAJOR:
         b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
     else:
@@ -332,7 +364,7 @@ def _ring(a_desc, b_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, 
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=A_PARTS)
     for w in gl.static_range(2):
         mbarrier.init(turn.index(w), count=1)
     return a_ring, b_ring, ready, empty, turn
@@ -358,16 +390,16 @@ def grouped_gemm_kernel(
     B_KMAJOR: gl.constexpr,  # B (E, N, K) (True) or (E, K, N) (False)
     PROMOTE: gl.constexpr,  # > 0: each PROMOTE·BK-deep product added to the fp32 total by itself (BM = 64: registers)
 ):
-    a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR)
+    a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR, 1)
     c_tiles = gl.allocate_shared_memory(c_desc.dtype, [2, BM, BN], c_desc.layout)
 
     # The argument tuples are written out in the call: a tuple bound to a name first would turn its
     # constexprs into runtime values. Both consumers run _consumer, warpgroup 0 as the default partition.
     warp_specialize([
         (_consumer, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
-                     turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE)),
+                     turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE, 1)),
         (_consumer, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
-                     turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE)),
+                     turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE, 1)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
-                     GROUP_M, E_BLOCK, B_KMAJOR)),
+                     GROUP_M, E_BLOCK, B_KMAJOR, 1)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

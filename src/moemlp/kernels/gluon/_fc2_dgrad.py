@@ -9,11 +9,15 @@ a = act(gate, up) from the stored h upcast to fp32; the GLU kinds swiglu (0) and
 written operation for operation as kernels/gemm/activations.py writes them.
 
 The partitions are the engine's (_engine.py): the 1-warp TMA producer unchanged, two consumer
-warpgroups in ping-pong on 64-row tiles. A consumer's promoted mainloop waits on every product
-before adding it, so the tensor cores idle for the add; what ping-pong buys here is that one
-warpgroup's epilogue (read h, write g_h and z: ~2.5× the bytes of the tile's fp32 g_z) runs while
-the other warpgroup's mainloop keeps the tensor cores busy. The Triton kernel runs that epilogue
-after each tile's mainloop with nothing overlapping it.
+warpgroups on 64-row tiles (A_PARTS = 1) in ping-pong, or on the two 64-row halves of 128-row tiles
+(A_PARTS = 2, cooperative). A consumer's promoted mainloop waits on every product before adding it,
+so its own tensor-core work idles for the add. Ping-pong hides one warpgroup's epilogue (read h,
+write g_h and z: ~2.5× the bytes of the tile's fp32 g_z) behind the other's mainloop, but only one
+warpgroup issues wgmma at a time; cooperative has both issue at once, each filling the other's
+waits, and reads each B block once for 128 rows, with the epilogue exposed. Cooperative is faster
+on large experts, ping-pong where experts are small and half of a 128-row tile would be empty
+(_launch.DGRAD_COOPERATIVE_ROWS). The Triton kernel runs that epilogue after each tile's mainloop
+with nothing overlapping it.
 
 Epilogue: the accumulator goes to a per-warpgroup fp32 shared tile, and is read back in column
 chunks of CW in a blocked layout (8 consecutive columns a thread), so h loads and the g_h / z
@@ -216,12 +220,12 @@ def _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_
               a_ring, b_ring, g_tiles, ready, empty, turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr,
               B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, CHAIN: gl.constexpr, ACT: gl.constexpr,
-              HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
+              HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr, A_PARTS: gl.constexpr):
     _tile_loop(_dgrad_epilogue, _dgrad_capacity,
                (g_tiles, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, M, N, N1, p0, p1, p2, BM, BN, CW, G, ACT,
                 HAS_PROBS, STORE_Z, STORE_PARTIAL),
                a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK,
-               B_KMAJOR, CHAIN)  # fmt: skip
+               B_KMAJOR, CHAIN, A_PARTS)  # fmt: skip
 
 
 @gluon.jit
@@ -256,8 +260,9 @@ def fc2_dgrad_kernel(
     HAS_PROBS: gl.constexpr,
     STORE_Z: gl.constexpr,
     STORE_PARTIAL: gl.constexpr,
+    A_PARTS: gl.constexpr,  # 1: ping-pong BM-row tiles; 2: cooperative 2·BM-row tiles (_engine._tile_loop)
 ):
-    a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR)
+    a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR, A_PARTS)
     g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
     g_tiles = gl.allocate_shared_memory(gl.float32, [2, BM, BN], g_layout)
 
@@ -266,10 +271,10 @@ def fc2_dgrad_kernel(
     warp_specialize([
         (_consumer, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
                      a_ring, b_ring, g_tiles, ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
-                     CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
+                     CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS)),
         (_consumer, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
                      a_ring, b_ring, g_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
-                     CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
+                     CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
-                     GROUP_M, E_BLOCK, B_KMAJOR)),
+                     GROUP_M, E_BLOCK, B_KMAJOR, A_PARTS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

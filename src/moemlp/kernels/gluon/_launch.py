@@ -194,6 +194,10 @@ def grouped_gemm(
 # FC2_DGRAD's fused kernel (_fc2_dgrad.py): 64-row promoted tiles, 4 stages of 24 KiB, two fp32 epilogue
 # tiles of 32 KiB: 160 KiB. The epilogue reads its accumulator back in chunks of 64 columns.
 DGRAD_CW = 64
+# Cooperative 128-row tiles (both consumers issuing at once on one tile) where experts average at least
+# this many rows, else 64-row tiles in ping-pong (docs/DECISIONS.md, "Cooperative 128-row tiles for
+# FC2_DGRAD on large experts"): measured at 128, 256, 1024 and 2048 rows an expert.
+DGRAD_COOPERATIVE_ROWS = 1024
 # The GLU kinds the fused epilogue implements (ActivationSpec.kernel_id): swiglu, clamped_swiglu.
 DGRAD_ACTIVATIONS = (0, 1)
 
@@ -236,19 +240,26 @@ def fc2_dgrad(
     activation_id: int,
     params: tuple[float, float, float],
     promote_depth: int = PROMOTE_DEPTH,
+    cooperative: bool | None = None,
 ) -> torch.Tensor | None:
     """The MLP's FC2_DGRAD on the engine: g_z = dy[R_e] @ W2[e] in fp32 (each ``promote_depth``-deep
     product promoted),
     then g_h = g_z·p·act'(h), z = act(h)·p and the dprobs partials Σ_f g_z·a of each 128-column tile
-    (returned, (⌈F/128⌉, M) fp32, when asked). Capacity rows get zeros. The caller checked
-    ``fc2_dgrad_supports``."""
+    (returned, (⌈F/128⌉, M) fp32, when asked). Capacity rows get zeros. ``cooperative``: 128-row
+    tiles, each consumer warpgroup taking 64 of its rows, both issuing at once (else 64-row tiles in
+    ping-pong); the same bits either way; None: cooperative where the experts average at least
+    DGRAD_COOPERATIVE_ROWS rows (M / E, no device read). The caller checked ``fc2_dgrad_supports``."""
     from ._compat import TensorDescriptor
     from ._engine import MAXNREG, NUM_WARPS
     from ._fc2_dgrad import fc2_dgrad_kernel
 
     _check_depth("fc2_dgrad", "promote_depth", promote_depth, zero_ok=False)
+    if cooperative is not None and not isinstance(cooperative, bool):
+        raise TypeError(f"fc2_dgrad: cooperative must be a bool or None, got {type(cooperative).__name__}")
     M, H = dy.shape
     E, _, F = w2.shape
+    if cooperative is None:
+        cooperative = M >= DGRAD_COOPERATIVE_ROWS * E
     N1 = h.shape[1]
     partial = torch.empty((-(-F // BN), M), dtype=torch.float32, device=dy.device) if dprobs_partials else None
     if M == 0 or F == 0:
@@ -269,7 +280,8 @@ def fc2_dgrad(
     a_desc = TensorDescriptor.from_tensor(dy, [bm, BK], _smem_layout((bm, BK)))
     b_desc = TensorDescriptor.from_tensor(b2d, list(b_block), _smem_layout(b_block))
     e_block = max(32, 1 << (E - 1).bit_length())
-    tile_bound = (-(-M // bm) + E) * -(-F // BN)
+    a_parts = 2 if cooperative else 1
+    tile_bound = (-(-M // (bm * a_parts)) + E) * -(-F // BN)
     grid = (min(_num_sms(_index(dy.device)), tile_bound),)
     dummy = g_h  # never dereferenced: the constexpr flags switch its loads and stores off
     with torch.cuda.device(dy.device):
@@ -279,6 +291,6 @@ def fc2_dgrad(
             float(params[0]), float(params[1]), float(params[2]),
             BM=bm, BN=BN, BK=BK, STAGES=STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor, CW=DGRAD_CW,
             G=glu_interleave, CHAIN=promote_depth // BK, ACT=activation_id, HAS_PROBS=probs is not None, STORE_Z=z is not None,
-            STORE_PARTIAL=partial is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+            STORE_PARTIAL=partial is not None, A_PARTS=a_parts, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
     return partial
