@@ -126,7 +126,7 @@ def _producer(a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, emp
     n_tiles = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, TILE_M, E_BLOCK, 1)
-    stage_bytes: gl.constexpr = (TILE_M + BN) * BK * 2
+    stage_bytes: gl.constexpr = A_PARTS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     it = 0
     for t in range(gl.program_id(0), real_tiles, gl.num_programs(0)):
         e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, TILE_M, BN, GROUP_M)
@@ -225,6 +225,32 @@ def _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl
 
 
 @gluon.jit
+def _mainloop_scaled(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexpr, BM: gl.constexpr,
+                     BN: gl.constexpr, STAGES: gl.constexpr, A_PARTS: gl.constexpr, PART: gl.constexpr, a_s_ptrs,
+                     row_ok, stride_ask, b_s_ptr, stride_bsk):
+    """The FP8 blockwise K loop (SPEC §3, fp8_block), BK = 128 = one scale block: each step's product
+    is a fresh chain of m64n128k32 e4m3 wgmma, waited for and added to the fp32 total scaled by its
+    rows' A scales times the tile's B scale, ``total += part · (a_s · b_s)`` as the Triton kernel
+    writes it (kernels/gemm/grouped.py, ``_fp8_product``). The step's scales are loaded while its
+    wgmma run. B is K-major (fp8 wgmma reads no transposed operand). ``a_s_ptrs``: this consumer's
+    rows' scale pointers at K block 0; ``b_s_ptr``: the tile's B scale at K block 0."""
+    total = gl.zeros([BM, BN], gl.float32, acc_layout)
+    part = gl.zeros([BM, BN], gl.float32, acc_layout)
+    for kk in range(k_steps):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        pending = warpgroup_mma(a_ring.index(s * A_PARTS + PART), b_ring.index(s).permute((1, 0)), part,
+                                use_acc=False, is_async=True)
+        a_s = gl.load(a_s_ptrs + kk * stride_ask, mask=row_ok, other=0.0)
+        b_s = gl.load(b_s_ptr + kk * stride_bsk)
+        part = warpgroup_mma_wait(0, deps=(pending,))
+        mbarrier.arrive(empty.index(s))
+        total += part * gl.expand_dims(a_s * b_s, 1)
+        it += 1
+    return total, it
+
+
+@gluon.jit
 def _store_tile(acc, c_desc, c_ptr, c_smem, m0, n0, row_end, M, N, BM: gl.constexpr, BN: gl.constexpr):
     """The plain epilogue: round once to bf16, stage in shared memory, then a TMA store when every
     row of the tile is the expert's (or the tile ends at row M), else a masked 16-byte-vector store
@@ -259,7 +285,7 @@ def _store_zeros(c_desc, c_smem, m0, n0, acc_layout: gl.constexpr, BM: gl.conste
 def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K,
                WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, PROMOTE: gl.constexpr,
-               A_PARTS: gl.constexpr):
+               A_PARTS: gl.constexpr, SCALED: gl.constexpr, scale_args):
     """One consumer warpgroup's tiles, every kernel on the engine. Ping-pong (A_PARTS = 1): this CTA's
     j-th tile is warpgroup j % 2's, BM rows, the mainloops taken in turn. Cooperative (A_PARTS = 2,
     promoted only): every tile is 2·BM rows, and warpgroup WG takes rows WG·BM on of each, both
@@ -267,7 +293,8 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
     PROMOTE > 0) and hands its fp32 accumulator to the epilogue unit, ``epilogue(acc, m0, n0, row_end,
     WG, args)`` with m0 this warpgroup's first row; a capacity tile (rows from Σsplits on) calls
     ``capacity(m0, n0, WG, args)``. ``args`` is the unit's own tuple: the kernel's outputs, sizes and
-    constexprs."""
+    constexprs. SCALED: the FP8 blockwise mainloop (``_mainloop_scaled``), ``scale_args`` = (a_scale_ptr,
+    stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk)."""
     gl.static_assert((A_PARTS == 1) | (PROMOTE > 0), "cooperative tiles take the promoted mainloop")
     TILE_M: gl.constexpr = BM * A_PARTS
     COOP: gl.constexpr = A_PARTS == 2
@@ -278,8 +305,14 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     my_tiles = gl.cdiv(gl.maximum(real_tiles + cap_tiles - pid, 0), nprog)
+    if SCALED:
+        gl.static_assert(BN == 128, "one B scale a tile: 128 columns, 128-aligned")
+        gl.static_assert(BK == 128, "one K step a scale block")
+        MMA_K: gl.constexpr = 32
+    else:
+        MMA_K: gl.constexpr = 16
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BN, 16])
+                                                         instr_shape=[16, BN, MMA_K])
     if COOP:
         first: gl.constexpr = 0
         step: gl.constexpr = 1
@@ -300,7 +333,16 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
                 mbarrier.wait(turn.index(WG), (turns & 1) ^ (1 - WG))
                 turns += 1
             # The ring position: real tiles precede capacity tiles, and each took k_steps stages.
-            if PROMOTE > 0:
+            if SCALED:
+                rows = m0 + row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+                a_s_ptrs = scale_args[0] + rows.to(gl.int64) * scale_args[1]
+                b_s_ptr = scale_args[3] + e.to(gl.int64) * scale_args[4] + (n0 // BN) * scale_args[5]
+                acc, it = _mainloop_scaled(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM, BN,
+                                           STAGES, A_PARTS, part, a_s_ptrs, rows < M, scale_args[2], b_s_ptr,
+                                           scale_args[6])
+                if not COOP:
+                    mbarrier.arrive(turn.index(1 - WG))
+            elif PROMOTE > 0:
                 acc, it = _mainloop_promoted(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout,
                                              BM, BN, STAGES, B_KMAJOR, PROMOTE, A_PARTS, part)
                 if not COOP:
@@ -345,7 +387,7 @@ def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_r
               PROMOTE: gl.constexpr, A_PARTS: gl.constexpr):
     _tile_loop(_plain_epilogue, _plain_capacity, (c_desc, c_ptr, c_tiles, M, N, BM, BN), a_ring, b_ring, ready,
                empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE,
-               A_PARTS)
+               A_PARTS, False, (0,))
 
 
 @gluon.jit
@@ -402,4 +444,56 @@ def grouped_gemm_kernel(
                      turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE, 1)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                      GROUP_M, E_BLOCK, B_KMAJOR, 1)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def _fp8_consumer(a_desc, b_desc, c_desc, c_ptr, a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse,
+                  stride_bsn, stride_bsk, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty, turn,
+                  WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                  GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr):
+    _tile_loop(_plain_epilogue, _plain_capacity, (c_desc, c_ptr, c_tiles, M, N, BM, BN), a_ring, b_ring, ready,
+               empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, True, 1, 2, True,
+               (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk))
+
+
+@gluon.jit
+def grouped_gemm_fp8_kernel(
+    a_desc,  # (M, K) e4m3 codes, rows grouped by expert; block [BM, BK]
+    b_desc,  # (E·N, K) e4m3 codes, B (E, N, K) stacked along rows (K-major); block [BN, BK]
+    c_desc,  # (M, N) bf16 or fp32; block [BM, BN]
+    c_ptr,  # (M, N), the same tensor as c_desc, for the masked store of expert-boundary tiles
+    a_scale_ptr,  # (M, ⌈K/128⌉) fp32: row m's scale of K block kb at m·stride_asm + kb·stride_ask
+    stride_asm,
+    stride_ask,
+    b_scale_ptr,  # (E, ⌈N/128⌉, ⌈K/128⌉) fp32: the 128×128 block scales of B
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
+    splits_ptr,  # (E,) int32 or int64 rows per expert, on the device
+    E,
+    M,
+    N,
+    K,
+    BM: gl.constexpr,  # a consumer's rows: tiles are 2·BM rows (cooperative)
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    E_BLOCK: gl.constexpr,
+):
+    """C[R_e] = dequant(A)[R_e] @ dequant(B[e])ᵀ for fp8_block's codes and scales, on cooperative
+    128-row tiles: each consumer's promotion waits on its product, and the other consumer's wgmma
+    keep the tensor cores busy meanwhile."""
+    a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, True, 2)
+    c_tiles = gl.allocate_shared_memory(c_desc.dtype, [2, BM, BN], c_desc.layout)
+    warp_specialize([
+        (_fp8_consumer, (a_desc, b_desc, c_desc, c_ptr, a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse,
+                         stride_bsn, stride_bsk, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty, turn,
+                         0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK)),
+        (_fp8_consumer, (a_desc, b_desc, c_desc, c_ptr, a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse,
+                         stride_bsn, stride_bsk, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty, turn,
+                         1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK)),
+        (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
+                     GROUP_M, E_BLOCK, True, 2)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

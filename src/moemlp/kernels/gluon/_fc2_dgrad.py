@@ -225,7 +225,7 @@ def _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_
                (g_tiles, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, M, N, N1, p0, p1, p2, BM, BN, CW, G, ACT,
                 HAS_PROBS, STORE_Z, STORE_PARTIAL),
                a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK,
-               B_KMAJOR, CHAIN, A_PARTS)  # fmt: skip
+               B_KMAJOR, CHAIN, A_PARTS, False, (0,))  # fmt: skip
 
 
 @gluon.jit

@@ -46,6 +46,14 @@ def _smem_layout(block: tuple[int, int], fp32: bool = False):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.float32 if fp32 else gl.bfloat16)
 
 
+@functools.cache
+def _fp8_smem_layout(block: tuple[int, int]):
+    """The NVMMA shared layout of a TMA block of e4m3 codes."""
+    from ._compat import gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float8e4nv)
+
+
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -294,3 +302,101 @@ def fc2_dgrad(
             STORE_PARTIAL=partial is not None, A_PARTS=a_parts, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
     return partial
+
+
+# FP8 blockwise GEMM (_engine.grouped_gemm_fp8_kernel): cooperative 128-row tiles, 128-deep steps (one
+# scale block each), 4 stages of (128 + 128) × 128 codes = 32 KiB: 128 KiB of ring + 2 epilogue tiles
+# of 64 × 128 (bf16 16 KiB each, fp32 32 KiB).
+FP8_BM, FP8_BK, FP8_STAGES = 64, 128, 4
+
+
+def grouped_gemm_fp8(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    splits: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """fp8_block's grouped GEMM on the engine: C[R_e] = dequant(A)[R_e] @ dequant(B[e])ᵀ, with a (M, K)
+    float8_e4m3fn codes (rows grouped by expert) and a_scale (M, ⌈K/128⌉) fp32 their 1×128 scales
+    (any strides), b (E, N, K) float8_e4m3fn codes and b_scale (E, ⌈N/128⌉, ⌈K/128⌉) fp32 their
+    128×128 block scales (any strides). Each 128-deep product is scaled and added to the fp32
+    accumulator as the Triton kernel adds it. Returns C (M, N) in ``out_dtype`` (bf16 or fp32), written
+    into ``out`` when given; rows past Σsplits get 0. Splits are clamped on the device and never read
+    on the host."""
+    fp8 = torch.float8_e4m3fn
+    for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("splits", splits)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"grouped_gemm_fp8: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if a.dtype != fp8 or b.dtype != fp8:
+        raise TypeError(f"grouped_gemm_fp8: a and b must be float8_e4m3fn codes, got {a.dtype} and {b.dtype}")
+    if a_scale.dtype != torch.float32 or b_scale.dtype != torch.float32:
+        raise TypeError(f"grouped_gemm_fp8: the scales must be float32, got {a_scale.dtype} and {b_scale.dtype}")
+    if splits.dtype not in (torch.int32, torch.int64) or splits.dim() != 1:
+        raise TypeError(
+            f"grouped_gemm_fp8: splits must be (E,) int32 or int64, got {tuple(splits.shape)} {splits.dtype}"
+        )
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"grouped_gemm_fp8: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError(
+            f"grouped_gemm_fp8: a must be (M, K) and b (E, N, K), got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    M, K = a.shape
+    E, N, Kb = b.shape
+    if Kb != K:
+        raise ValueError(f"grouped_gemm_fp8: b's K dimension must be a's K = {K}, got {Kb}")
+    if splits.shape[0] != E:
+        raise ValueError(f"grouped_gemm_fp8: splits must have one entry per expert (E = {E}), got {splits.shape[0]}")
+    kb, nb = -(-K // FP8_BK), -(-N // BN)
+    if tuple(a_scale.shape) != (M, kb) or tuple(b_scale.shape) != (E, nb, kb):
+        raise ValueError(f"grouped_gemm_fp8: a_scale must be ({M}, {kb}) and b_scale ({E}, {nb}, {kb}), got "
+                         f"{tuple(a_scale.shape)} and {tuple(b_scale.shape)}")  # fmt: skip
+    if E > MAX_EXPERTS:
+        raise ValueError(f"grouped_gemm_fp8: at most {MAX_EXPERTS} experts (the table is held in registers), got {E}")
+    if K % 16 or N % 8:
+        raise ValueError(
+            f"grouped_gemm_fp8: K must be a multiple of 16 and N of 8 for TMA (16-byte rows), got K={K}, N={N}"
+        )
+    devices = {t.device for t in (a, a_scale, b, b_scale, splits)}
+    if len(devices) != 1 or a.device.type != "cuda":
+        raise TypeError(f"grouped_gemm_fp8: every tensor must be on one CUDA device, got {sorted(map(str, devices))}")
+    for name, t in (("a", a), ("b", b), ("splits", splits)):
+        if not t.is_contiguous():
+            raise ValueError(f"grouped_gemm_fp8: {name} must be contiguous (call .contiguous() first)")
+    if a.data_ptr() % 16 or b.data_ptr() % 16:
+        raise ValueError("grouped_gemm_fp8: a and b must start on a 16-byte boundary for TMA")
+    if out is not None and (out.shape != (M, N) or out.dtype != out_dtype or out.device != a.device
+                            or not out.is_contiguous() or out.data_ptr() % 16):  # fmt: skip
+        raise ValueError(f"grouped_gemm_fp8: out must be a contiguous, 16-byte aligned ({M}, {N}) {out_dtype} "
+                         f"on {a.device}")  # fmt: skip
+    reason = why_unavailable(a.device)
+    if reason:
+        raise RuntimeError(f"grouped_gemm_fp8: the Gluon engine cannot run here: {reason}")
+    from ._compat import TensorDescriptor
+    from ._engine import MAXNREG, NUM_WARPS, grouped_gemm_fp8_kernel
+
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0 or E == 0:
+        return out.zero_()
+    bind_context(a.device)
+    a_desc = TensorDescriptor.from_tensor(a, [FP8_BM, FP8_BK], _fp8_smem_layout((FP8_BM, FP8_BK)))
+    b_desc = TensorDescriptor.from_tensor(b.view(E * N, K), [BN, FP8_BK], _fp8_smem_layout((BN, FP8_BK)))
+    c_desc = TensorDescriptor.from_tensor(out, [FP8_BM, BN], _smem_layout((FP8_BM, BN), out_dtype == torch.float32))
+    e_block = max(32, 1 << (E - 1).bit_length())
+    tile_bound = (-(-M // (2 * FP8_BM)) + E) * -(-N // BN)
+    grid = (min(_num_sms(_index(a.device)), tile_bound),)
+    with torch.cuda.device(a.device):
+        grouped_gemm_fp8_kernel[grid](
+            a_desc, b_desc, c_desc, out, a_scale, a_scale.stride(0), a_scale.stride(1), b_scale, b_scale.stride(0),
+            b_scale.stride(1), b_scale.stride(2), splits, E, M, N, K,
+            BM=FP8_BM, BN=BN, BK=FP8_BK, STAGES=FP8_STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block,
+            num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        )  # fmt: skip
+    return out

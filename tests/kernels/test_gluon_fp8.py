@@ -1,0 +1,135 @@
+"""fp8_block's grouped GEMM on the Gluon engine (moemlp.kernels.gluon.grouped_gemm_fp8): an offline
+sm_90 compile on any machine (e4m3 wgmma, no serialized chain, registers, shared memory), the input
+checks, and on an H200 the outputs against the Triton FP8 kernel (the same 128-deep products, scaled
+and added in the same order: the same bits) and against the float64 emulation of test_gemm_fp8.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from _sm90 import compile_gluon_sm90
+from moemlp.kernels.gluon import _compat, _launch
+
+needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks: {_compat.missing()}")
+
+
+def _compile_sm90(out_fp32: bool, splits_dtype: str = "i32"):
+    from moemlp.kernels.gluon import _engine
+
+    gl = _compat.gl
+    BM, BN, BK = _launch.FP8_BM, _launch.BN, _launch.FP8_BK
+
+    def desc(block, dtype):
+        ty = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp32": gl.float32}[dtype]
+        return f"tensordesc<{dtype}[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, ty)!r}>"
+
+    c = "fp32" if out_fp32 else "bf16"
+    constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=_launch.FP8_STAGES, GROUP_M=_launch.GROUP_M, E_BLOCK=128)
+    sig = {"a_desc": desc([BM, BK], "fp8e4nv"), "b_desc": desc([BN, BK], "fp8e4nv"), "c_desc": desc([BM, BN], c),
+           "c_ptr": f"*{c}", "a_scale_ptr": "*fp32", "stride_asm": "i32", "stride_ask": "i32", "b_scale_ptr": "*fp32",
+           "stride_bse": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "splits_ptr": f"*{splits_dtype}",
+           "E": "i32", "M": "i32", "N": "i32", "K": "i32"}  # fmt: skip
+    sig.update({name: "constexpr" for name in constexprs})
+    return compile_gluon_sm90(_engine.grouped_gemm_fp8_kernel, sig, constexprs, ("c_ptr", "splits_ptr", "N", "K"),
+                              _engine.NUM_WARPS, _engine.MAXNREG)  # fmt: skip
+
+
+@needs_gluon
+@pytest.mark.parametrize("out_fp32", [False, True], ids=["bf16-out", "fp32-out"])
+def test_offline_sm90_compile(out_fp32):
+    sass, usage, shared = _compile_sm90(out_fp32)
+    # Each consumer: one 128-deep step a product, BK / 32 = 4 e4m3 wgmma of m64n128k32 (QGMMA), the
+    # first from zero; one wait a product (for all of it), none between the four (nothing serialized).
+    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == 2 * 4
+    assert sum("RZ, !UPT" in line for line in sass.splitlines() if "QGMMA" in line) == 2
+    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 2
+    assert not re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9]", sass)
+    # The producer: two 64-row A blocks and one B block a stage.
+    assert len(re.findall(r"\bUTMALDG\.2D\b", sass)) == 3
+    assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", sass)
+    assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", sass)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    assert regs <= 168, usage
+    assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
+    # 4 stages × (2 × 64 + 128) × 128 codes + 2 epilogue tiles of 64 × 128, within sm_90's 227 KiB
+    stage = (2 * _launch.FP8_BM + _launch.BN) * _launch.FP8_BK
+    tiles = 2 * _launch.FP8_BM * _launch.BN * (4 if out_fp32 else 2)
+    assert _launch.FP8_STAGES * stage + tiles <= shared <= 227 * 1024, shared
+
+
+def _operands(M=64, K=256, N=128, E=2, device="cpu"):
+    a = torch.zeros(M, K, device=device).to(torch.float8_e4m3fn)
+    b = torch.zeros(E, N, K, device=device).to(torch.float8_e4m3fn)
+    return dict(a=a, a_scale=torch.ones(M, -(-K // 128), device=device), b=b,
+                b_scale=torch.ones(E, -(-N // 128), -(-K // 128), device=device),
+                splits=torch.tensor([M // 2, M // 2], dtype=torch.int32, device=device))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        pytest.param(dict(a=torch.zeros(64, 256, dtype=torch.bfloat16)), TypeError, "float8_e4m3fn", id="bf16-a"),
+        pytest.param(dict(a_scale=torch.ones(64, 2, dtype=torch.bfloat16)), TypeError, "float32", id="bf16-scale"),
+        pytest.param(dict(a_scale=torch.ones(64, 3)), ValueError, "a_scale must be (64, 2)", id="scale-shape"),
+        pytest.param(dict(b_scale=torch.ones(2, 2, 2)), ValueError, "b_scale (2, 1, 2)", id="b-scale-shape"),
+        pytest.param(dict(splits=torch.ones(3, dtype=torch.int32)), ValueError, "one entry per expert", id="splits"),
+        pytest.param(dict(splits=torch.ones(2)), TypeError, "int32 or int64", id="float-splits"),
+        pytest.param(dict(), TypeError, "one CUDA device", id="cpu-tensors"),
+    ],
+)
+def test_input_checks(change, error, words):
+    from moemlp.kernels.gluon import grouped_gemm_fp8
+
+    args = {**_operands(), **change}
+    with pytest.raises(error, match=re.escape(words)):
+        grouped_gemm_fp8(args["a"], args["a_scale"], args["b"], args["b_scale"], args["splits"])
+
+
+def test_k_must_suit_tma():
+    from moemlp.kernels.gluon import grouped_gemm_fp8
+
+    args = _operands(K=200)
+    with pytest.raises(ValueError, match="K must be a multiple of 16"):
+        grouped_gemm_fp8(args["a"], args["a_scale"], args["b"], args["b_scale"], args["splits"])
+
+
+# (splits, capacity rows, K, N): ragged experts with an empty one and capacity rows, K and N ending in
+# partial 128-blocks, E prime; all rows in one expert; more rows than splits (clamped)
+GPU_CASES = [
+    pytest.param([700, 0, 512, 1300, 33, 900, 400, 251], 64, 4096, 3584, id="mixtral-like"),
+    pytest.param([300, 0, 257, 129, 1, 500, 220, 0, 90, 311, 64, 17, 128], 100, 2880 + 48, 2880 + 72, id="odd-sizes"),
+    pytest.param([1000], 0, 1024, 256, id="one-expert"),
+    pytest.param([0, 0, 0], 40, 256, 128, id="all-capacity"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits, cap, K, N", GPU_CASES)
+def test_gpu_matches_the_triton_kernel(splits, cap, K, N, out_dtype):
+    from moemlp.kernels.gluon import grouped_gemm_fp8, why_unavailable
+    from moemlp.recipes import recipe
+    from test_gemm_fp8 import GPU_ORDER_BOUND, emulate, fp8_gemm, problem
+
+    if why_unavailable():
+        pytest.skip(why_unavailable())
+    M = sum(splits) + cap
+    x, w, _ = problem(splits, M, K, N, device="cuda")
+    r = recipe("fp8_block")
+    qa, qb = r.quantize(x, -1), r.quantize_weight(w)
+    sp = torch.tensor(splits, device="cuda")
+    out = grouped_gemm_fp8(qa.codes, qa.scales, qb.codes, qb.scales, sp, out_dtype=out_dtype)
+    ref = fp8_gemm(qa, qb, sp, out_dtype)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref), f"{int((out != ref).sum())} of {out.numel()} elements differ from the Triton kernel's"
+    assert (out[sum(splits):] == 0).all(), "capacity rows"
+    emu, mag = emulate(qa, qb, splits, M)
+    if out_dtype == torch.float32:
+        assert float(((out.double() - emu).abs() / mag.clamp(min=1e-300)).max()) <= GPU_ORDER_BOUND
+    # transposed a-scale storage (DeepGEMM's layout): the same values, the same bits
+    scales_t = qa.scales.t().contiguous().t()
+    assert torch.equal(grouped_gemm_fp8(qa.codes, scales_t, qb.codes, qb.scales, sp, out_dtype=out_dtype), out)
