@@ -119,6 +119,19 @@ def _check_depth(where: str, name: str, depth: int, zero_ok: bool) -> None:
         raise ValueError(f"{where}: {name} must be {allowed} (a product's depth), got {depth!r}")
 
 
+def _out_unless_trivial(out, M: int, N: int, K: int, E: int, out_dtype: torch.dtype,
+                        device) -> tuple[torch.Tensor, bool]:
+    """C (allocated when not given), and whether it is final already: nothing to compute (M or N is 0)
+    or C = 0 (K or E is 0), so that no kernel launches."""
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype, device=device)
+    if M == 0 or N == 0:
+        return out, True
+    if K == 0 or E == 0:
+        return out.zero_(), True
+    return out, False
+
+
 def supports(a: torch.Tensor, b: torch.Tensor, b_layout: str = "nk") -> str:
     """Why the engine cannot take these operands ("" when it can): the shape rules of ``grouped_gemm``
     that a caller with a fallback checks before choosing this path (no device read)."""
@@ -169,12 +182,9 @@ def grouped_gemm(
     M, K = a.shape
     kmajor = b_layout == "nk"
     E, N = (b.shape[0], b.shape[1]) if kmajor else (b.shape[0], b.shape[2])
-    if out is None:
-        out = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    if M == 0 or N == 0:
+    out, done = _out_unless_trivial(out, M, N, K, E, out_dtype, a.device)
+    if done:
         return out
-    if K == 0 or E == 0:
-        return out.zero_()
     # Promoted: the total and the product in flight are 2 × 64 registers at 64 rows (2 × 128 at 128
     # would not fit). Ring 4 × 24 KiB + 2 fp32 C tiles × 32 KiB = 160 KiB.
     bm = BM_PROMOTED if promote else BM
@@ -379,12 +389,9 @@ def grouped_gemm_fp8(
     from ._compat import TensorDescriptor
     from ._engine import MAXNREG, NUM_WARPS, grouped_gemm_fp8_kernel
 
-    if out is None:
-        out = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    if M == 0 or N == 0:
+    out, done = _out_unless_trivial(out, M, N, K, E, out_dtype, a.device)
+    if done:
         return out
-    if K == 0 or E == 0:
-        return out.zero_()
     bind_context(a.device)
     a_desc = TensorDescriptor.from_tensor(a, [FP8_BM, FP8_BK], _fp8_smem_layout((FP8_BM, FP8_BK)))
     b_desc = TensorDescriptor.from_tensor(b.view(E * N, K), [BN, FP8_BK], _fp8_smem_layout((BN, FP8_BK)))
