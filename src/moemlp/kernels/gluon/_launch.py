@@ -213,8 +213,8 @@ def grouped_gemm(
 # tiles of 32 KiB: 160 KiB. The epilogue reads its accumulator back in chunks of 64 columns.
 DGRAD_CW = 64
 # Cooperative 128-row tiles (both consumers issuing at once on one tile) where experts average at least
-# this many rows, else 64-row tiles in ping-pong (docs/DECISIONS.md, "Cooperative 128-row tiles for
-# FC2_DGRAD on large experts"): measured at 128, 256, 1024 and 2048 rows an expert.
+# this many rows, else 64-row tiles in ping-pong, where half of a 128-row tile over a small expert would
+# be empty (docs/DECISIONS.md, "Cooperative 128-row tiles for FC2_DGRAD on large experts").
 DGRAD_COOPERATIVE_ROWS = 1024
 # The GLU kinds the fused epilogue implements (ActivationSpec.kernel_id): swiglu, clamped_swiglu.
 DGRAD_ACTIVATIONS = (0, 1)
