@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -18,10 +20,23 @@ def pytest_configure(config):
     # the end. Unless the command line asks for another chunk size.
     if getattr(config.option, "dist", "no") == "load" and getattr(config.option, "maxschedchunk", 0) is None:
         config.option.maxschedchunk = 1
+    config.addinivalue_line(
+        "markers",
+        "long(seconds): the test takes about that many seconds on a cold GPU host (16 cores, -n 8: mostly "
+        "kernel compiles and CPU-side torch work); the session starts these first, the longest first",
+    )
+    # On a GPU host every worker's torch would otherwise take all the cores for its CPU ops: eight
+    # workers then ran 16 threads each beside the kernel compiles, and the suite's CPU-side tests took
+    # several times their time alone. Each worker gets its share of the cores instead.
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers and hasattr(config, "workerinput") and torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
-def _child_seconds(item) -> float:
-    marker = item.get_closest_marker("interpreter_child")
+def _known_seconds(item, gpu_host: bool) -> float:
+    """How long the test is known to take where it runs: its ``long`` mark on a GPU host, its
+    interpreter child's on a CPU-only machine (the children run only there); 0 when not marked."""
+    marker = item.get_closest_marker("long" if gpu_host else "interpreter_child")
     return marker.kwargs.get("seconds", 0) if marker else 0
 
 
@@ -34,9 +49,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and n_gpus < 2:
             item.add_marker(skip_multi)
-    # The interpreter children first, the longest first (pytest_configure says why); the sort is
-    # stable, so every other test keeps its place. The same order in every xdist worker.
-    items.sort(key=lambda item: -_child_seconds(item))
+    # The interpreter children and the long GPU-host tests first, the longest first (pytest_configure
+    # says why); the sort is stable, so every other test keeps its place. The same order in every
+    # xdist worker.
+    items.sort(key=lambda item: -_known_seconds(item, n_gpus > 0))
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import torch
 from moemlp.__main__ import main
 
 
+@pytest.mark.long(seconds=70)
 def test_bench_cpu(tmp_path, capsys):
     assert main(["bench", "--device", "cpu", "--backend", "torch", "--shape", "cpu-small", "--peers", "lean,te",
                  "--out", str(tmp_path), "--rep-ms", "20"]) == 0

@@ -170,6 +170,7 @@ GPU_CASES = [
 ]
 
 
+@pytest.mark.long(seconds=45)
 @pytest.mark.gpu
 @pytest.mark.parametrize("entry,backend,dtype,recipe_mode", GPU_CASES)
 def test_gpu_inductor(entry, backend, dtype, recipe_mode):

@@ -202,6 +202,7 @@ def test_low_precision_within_2x_of_eager(family, dtype):
     assert _rel(flat(grads), flat(ref_grads)) <= 2 * _rel(flat(eager_grads), flat(ref_grads)) + unit
 
 
+@pytest.mark.long(seconds=40)
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_gpu_bf16_within_2x_of_eager_and_sync_free(family):
@@ -292,6 +293,7 @@ def test_training_step_copies_no_experts_weight(family):
         assert w.grad.stride() == w.stride()
 
 
+@pytest.mark.long(seconds=50)
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_training_loss_falls(family):
     """A few AdamW steps through the moemlp backend: the loss falls, and the fp32 trajectory stays
@@ -473,6 +475,7 @@ def test_routing_inputs_validated():
         mh.experts_forward(experts, x[:, :-1], index, weights)
 
 
+@pytest.mark.long(seconds=50)
 def test_hf_bench_smoke(tmp_path):
     """``python -m moemlp bench --hf`` on its CPU configs: both backends timed, and the MoE block's
     bf16 outputs agree with grouped_mm's within bf16 rounding of a two-GEMM block (2e-2, the bound

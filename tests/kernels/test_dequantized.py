@@ -96,6 +96,7 @@ def _inputs(dtype, device):
     return [_data(s, dtype, seed) for seed, s in enumerate(shapes)] + [_ties(dtype), _special(dtype, device)]
 
 
+@pytest.mark.long(seconds=40)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("key", RECIPES)

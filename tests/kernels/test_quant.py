@@ -176,12 +176,14 @@ def test_wgrad_quantizer_matches_torch_interpreted():
 
 # One case per recipe, so that the device sweep can spread them over processes (each recipe and
 # dtype compiles its own kernels; together they ran past a 150 s limit on a cold H200).
+@pytest.mark.long(seconds=70)
 @pytest.mark.gpu
 @pytest.mark.parametrize("key", RECIPES)
 def test_quantizers_match_torch_gpu(key):
     check_quantizers_match_torch("cuda", big=True, keys=[key])
 
 
+@pytest.mark.long(seconds=70)
 @pytest.mark.gpu
 @pytest.mark.parametrize("key", WGRAD_RECIPES)
 def test_wgrad_quantizer_matches_torch_gpu(key):

@@ -173,6 +173,7 @@ def test_cpu_quantized_weights_give_the_same_bits(case, recipe_name, request):
         check_bits(case, "cpu", recipe_name, extras=({},))
 
 
+@pytest.mark.long(seconds=35)
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe_name", RECIPES)
 @pytest.mark.parametrize("case", [0, 1])

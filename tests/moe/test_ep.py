@@ -285,6 +285,7 @@ def _spawn(world, device_type, dtype):
                 p.kill()
 
 
+@pytest.mark.long(seconds=55)
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_ep_gloo_equals_one_process(world):
     _spawn(world, "cpu", torch.float64)

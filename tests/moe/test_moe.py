@@ -161,6 +161,7 @@ def check_triton_layer_matches_torch(device):
         torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.long(seconds=80)
 @pytest.mark.interpreter_child(seconds=12)
 def test_triton_layer_matches_torch():
     if torch.cuda.is_available():

@@ -14,6 +14,7 @@ from moemlp.bench.peers import LeanMoE
 from moemlp.moe import MoE
 
 
+@pytest.mark.long(seconds=190)
 def test_moe_bench_cpu(tmp_path, capsys):
     rows = run_moe_bench(argparse.Namespace(device="cpu", backend="torch", out=str(tmp_path), ep=[1, 2]))
     assert [r["ep"] for r in rows] == [1, 1, 2]

@@ -335,6 +335,7 @@ def check_triton_features_match_torch(device):
         torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.long(seconds=120)
 @pytest.mark.interpreter_child(seconds=12)
 def test_triton_features_match_torch():
     if torch.cuda.is_available():

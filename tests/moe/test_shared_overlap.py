@@ -109,6 +109,7 @@ def _run(m, x, dy, mode):
     return [y, xx.grad] + [p.grad for p in params] + [p.main_grad.clone() for p in params if hasattr(p, "main_grad")]
 
 
+@pytest.mark.long(seconds=45)
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw,mode", GPU_CASES)
 def test_shared_expert_overlap_gives_the_one_stream_bits(kw, mode):

@@ -302,6 +302,7 @@ def float64_reference():
     return run(_accuracy_problem().cast(torch.float64), backend="torch")
 
 
+@pytest.mark.long(seconds=50)
 @pytest.mark.parametrize("key", list(MLP_FLOORS))
 def test_grouped_mlp_snr(key, float64_reference):
     y_ref, g_ref = float64_reference

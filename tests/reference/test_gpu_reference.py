@@ -24,6 +24,7 @@ def test_torch_backend_on_cuda_matches_cpu():
     assert g["probs"].dtype == torch.float32
 
 
+@pytest.mark.long(seconds=40)
 def test_inductor_compile_on_cuda():
     p = make_problem([64, 0, 50], 128, 64, seed=31)
     args = [t.detach().cuda().requires_grad_() for t in p.tensors() if t is not None]
