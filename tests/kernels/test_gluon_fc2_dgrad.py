@@ -16,21 +16,27 @@ from moemlp.kernels.gluon import _compat, _launch
 needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks: {_compat.missing()}")
 
 
-def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str, a_parts: int = 1):
-    """Compiles the fused FC2_DGRAD for sm_90 without a GPU; returns (sass, -res-usage, shared bytes)."""
+def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str, a_parts: int = 1, scaled: bool = False):
+    """Compiles the fused FC2_DGRAD for sm_90 without a GPU; returns (sass, -res-usage, shared bytes).
+    ``scaled``: fp8_block's kernel (e4m3 codes, 128-deep scaled steps, fp32 g_h and z)."""
     from moemlp.kernels.gluon import _engine, _fc2_dgrad
 
     gl = _compat.gl
-    BM, BN, BK = _launch.BM_PROMOTED, _launch.BN, _launch.BK
+    BM, BN = _launch.BM_PROMOTED, _launch.BN
+    BK = _launch.FP8_BK if scaled else _launch.BK
+    code, ty = ("fp8e4nv", gl.float8e4nv) if scaled else ("bf16", gl.bfloat16)
+    out = "fp32" if scaled else "bf16"
 
     def desc(block):
-        return f"tensordesc<bf16[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
+        return f"tensordesc<{code}[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, ty)!r}>"
 
     constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=_launch.STAGES, GROUP_M=_launch.GROUP_M, E_BLOCK=128,
-                      B_KMAJOR=b_kmajor, CW=_launch.DGRAD_CW, G=G, CHAIN=_launch.PROMOTE_DEPTH // BK, ACT=act, HAS_PROBS=True, STORE_Z=True,
-                      STORE_PARTIAL=True, A_PARTS=a_parts)  # fmt: skip
+                      B_KMAJOR=b_kmajor, CW=_launch.DGRAD_CW, G=G, CHAIN=1 if scaled else _launch.PROMOTE_DEPTH // BK,
+                      ACT=act, HAS_PROBS=True, STORE_Z=True, STORE_PARTIAL=True, A_PARTS=a_parts, SCALED=scaled)  # fmt: skip
     sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN, BK] if b_kmajor else [BK, BN]), "h_ptr": "*bf16",
-           "gh_ptr": "*bf16", "z_ptr": "*bf16", "probs_ptr": f"*{probs}", "part_ptr": "*fp32",
+           "gh_ptr": f"*{out}", "z_ptr": f"*{out}", "probs_ptr": f"*{probs}", "part_ptr": "*fp32",
+           "a_scale_ptr": "*fp32", "stride_asm": "i32", "stride_ask": "i32", "b_scale_ptr": "*fp32",
+           "stride_bse": "i32", "stride_bsn": "i32", "stride_bsk": "i32",
            "splits_ptr": "*i32", "E": "i32", "M": "i32", "N": "i32", "K": "i32", "N1": "i32",
            "p0": "fp32", "p1": "fp32", "p2": "fp32"}  # fmt: skip
     sig.update({name: "constexpr" for name in constexprs})
@@ -74,6 +80,25 @@ def test_offline_sm90_compile(b_kmajor, G, act, probs, a_parts):
     # 4 stages × 24 KiB (ping-pong) or 32 KiB (cooperative: two 64-row A blocks) + 2 fp32 epilogue tiles
     # × 32 KiB + barriers, within sm_90's 227 KiB a CTA
     stage = (a_parts * _launch.BM_PROMOTED + _launch.BN) * _launch.BK * 2
+    assert _launch.STAGES * stage + 64 * 1024 <= shared <= 227 * 1024, shared
+
+
+@needs_gluon
+@pytest.mark.parametrize("a_parts", [1, 2], ids=["pingpong", "cooperative"])
+def test_offline_sm90_compile_fp8(a_parts):
+    """fp8_block's kernel (mixtral / deepseek: W2's K-major codes, G = F): per warpgroup one 128-deep
+    product a step, BK / 32 = 4 e4m3 wgmma of m64n128k32 from zero, one wait each, no spill."""
+    sass, usage, shared = _compile_sm90(True, 768, 0, "fp32", a_parts, scaled=True)
+    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == 2 * 4
+    assert not re.search(r"HGMMA", sass)
+    assert sum("RZ, !UPT" in line for line in sass.splitlines() if "QGMMA" in line) == 2
+    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 2
+    assert not re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9]", sass)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    assert regs <= 168, usage
+    assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
+    stage = (a_parts * _launch.BM_PROMOTED + _launch.BN) * _launch.FP8_BK
     assert _launch.STAGES * stage + 64 * 1024 <= shared <= 227 * 1024, shared
 
 

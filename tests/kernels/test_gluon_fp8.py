@@ -133,3 +133,128 @@ def test_gpu_matches_the_triton_kernel(splits, cap, K, N, out_dtype):
     # transposed a-scale storage (DeepGEMM's layout): the same values, the same bits
     scales_t = qa.scales.t().contiguous().t()
     assert torch.equal(grouped_gemm_fp8(qa.codes, scales_t, qb.codes, qb.scales, sp, out_dtype=out_dtype), out)
+
+
+# FC2_DGRAD under fp8_block (gluon.fc2_dgrad on codes): (splits, M, H, F, activation, params, G), one comment each
+FC2_DGRAD_CASES = [
+    pytest.param([300, 0, 5, 250, 100], 700, 256, 200, "swiglu", (), None, id="ragged-capacity"),  # F % 128 != 0
+    pytest.param([131, 257, 1, 389], 778, 320, 136, "clamped_swiglu", (7.0, 1.702, 1.0), 1,
+                 id="gptoss-like"),  # gate / up column by column, H ends in a partial 128-block
+    pytest.param([33, 70, 0, 129, 5, 256, 17], 510, 192, 384, "swiglu", (), None, id="prime-E"),
+    pytest.param([700, 700], 1000, 128, 128, "swiglu", (), None, id="splits-past-M"),  # clamped at M
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cooperative", [False, True], ids=["pingpong", "cooperative"])
+@pytest.mark.parametrize("splits_list, M, H, F, activation, params, G", FC2_DGRAD_CASES)
+def test_gpu_fc2_dgrad_matches_the_triton_kernel(splits_list, M, H, F, activation, params, G, cooperative):
+    """The fused FC2_DGRAD on fp8_block's codes against the Triton kernel's FP8 mode on the same
+    operands: g_z is the same sum of the same scaled 128-deep products, so g_h and z (fp32, as the
+    MLP stores them under a recipe) are bitwise equal; the dprobs partials differ in their column
+    order only, and each dprobs is within SPEC's 1e-6 of the Triton kernel's."""
+    from moemlp._config import MLPConfig
+    from moemlp.activations import ACTIVATIONS
+    from moemlp.kernels import operands
+    from moemlp.kernels.gemm import launch
+    from moemlp.kernels.gluon import fc2_dgrad, fc2_dgrad_fp8_supports, why_unavailable
+    from moemlp.recipes import recipe
+
+    if why_unavailable():
+        pytest.skip(why_unavailable())
+    torch.manual_seed(0)
+    dev = "cuda"
+    E, G = len(splits_list), G or F
+    spec = ACTIVATIONS[activation]
+    r = recipe("fp8_block")
+    dy = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
+    h = (2 * torch.randn(M, 2 * F, device=dev)).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, F, device=dev) * H**-0.5).to(torch.bfloat16)
+    splits = torch.tensor(splits_list, device=dev, dtype=torch.int32)
+    probs = torch.rand(M, device=dev)
+    a_op, b_op = operands.act(dy, r), operands.Weight(w2, r).dgrad()
+    codes = b_op.b.transpose(1, 2)
+    pp = tuple(params) + (0.0,) * (3 - len(params))
+
+    def nan(*shape):
+        return torch.full(shape, float("nan"), device=dev)
+
+    g_h, z = nan(M, 2 * F), nan(M, F)
+    assert fc2_dgrad_fp8_supports(a_op.a, codes, h, spec.kernel_id, True, (g_h, z)) == ""
+    part = fc2_dgrad(a_op.a, codes, splits, h, g_h, z=z, probs=probs, dprobs_partials=True, glu_interleave=G,
+                     activation_id=spec.kernel_id, params=pp, cooperative=cooperative, dy_scale=a_op.scales,
+                     w2_scale=operands._tile_scales(b_op, F, H))  # fmt: skip
+    cfg = MLPConfig(spec, tuple(params), G, False)
+    g_h_t, z_t = torch.empty_like(g_h), torch.empty_like(z)
+    part_t = launch.launch_grouped_gemm(
+        "fc2_dgrad", a=a_op.a, b=b_op.b, b_strides=b_op.strides, splits=splits, out=g_h_t, N=F, K=H, N1=2 * F,
+        cfg=cfg, probs=probs, z=z_t, h=h, dprobs_partials=True, a_scales=a_op.scales, b_scales=b_op.scales,
+        b_scale_strides=b_op.scale_strides,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    routed = min(sum(splits_list), M)
+    assert not torch.isnan(g_h).any() and not torch.isnan(z).any(), "g_h or z left unwritten"
+    assert torch.equal(g_h, g_h_t), f"{int((g_h != g_h_t).sum())} g_h elements differ from the Triton kernel's"
+    assert torch.equal(z, z_t), f"{int((z != z_t).sum())} z elements differ from the Triton kernel's"
+    assert (g_h[routed:] == 0).all() and (z[routed:] == 0).all() and (part[:, routed:] == 0).all()
+
+    def dprobs_of(p):
+        d = torch.empty(M, device=dev)
+        launch.launch_dprobs_reduce(partial=p, dy=dy, fc2_bias=None, splits=splits, dprobs=d, bias_term=False)
+        return d
+
+    d, d_t = dprobs_of(part)[:routed].double(), dprobs_of(part_t)[:routed].double()
+    assert float(torch.linalg.vector_norm(d - d_t) / torch.linalg.vector_norm(d_t)) <= 1e-6
+
+
+MLP_CASES = [
+    # (E, H, F, rows, empty experts, capacity, options): the first with biases (FC2 then stays on the
+    # Triton kernel, whose epilogue adds them), the second without (all three on the engine)
+    pytest.param((8, 1024, 1408, 6000, (3,), 64, {}), id="mixtral_like-bias"),
+    pytest.param((48, 1024, 384, 6000, (), 17, dict(bias=False)), id="qwen3_like"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MLP_CASES)
+def test_gpu_mlp_same_bits_on_either_kernel(case, monkeypatch):
+    """grouped_mlp's forward and backward under fp8_block with FC2, FC2_DGRAD and FC1_DGRAD on the
+    engine and with MOEMLP_GLUON=0 (all on the Triton kernels): every output bitwise equal but dprobs,
+    whose partials the two FC2_DGRAD kernels sum over a tile's columns in another order (within 1e-6);
+    the engine ran where it should."""
+    from moemlp import kernels as K
+    from moemlp._config import MLPConfig
+    from moemlp.kernels import gluon
+    from moemlp.kernels.gluon import why_unavailable
+    from moemlp.recipes import recipe
+    from test_triton_backend import GRADS, gpu_problem
+
+    if why_unavailable():
+        pytest.skip(why_unavailable())
+    E, H, F, rows, empty, cap, kw = case
+    t, cfg = gpu_problem(E, H, F, rows, empty, cap, **kw)
+    cfg = MLPConfig(cfg.activation, cfg.activation_params, cfg.glu_interleave, cfg.scale_fc2_bias, recipe("fp8_block"))
+    args = (t["splits"], t["probs"], t["fc1_weight"], t["fc2_weight"], t["fc1_bias"], t["fc2_bias"])
+    calls = []
+    for name in ("grouped_gemm_fp8", "fc2_dgrad"):
+        original = getattr(gluon, name)
+        monkeypatch.setattr(gluon, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+
+    def run(env):
+        monkeypatch.setenv("MOEMLP_GLUON", env)
+        y, h = K.grouped_mlp_fwd(t["x"], *args, cfg)
+        return (y, h) + tuple(K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, (True,) * 6))
+
+    engine = run("1")
+    has_bias = t["fc2_bias"] is not None
+    assert calls == ["grouped_gemm_fp8"] * (not has_bias) + ["fc2_dgrad", "grouped_gemm_fp8"], calls
+    calls.clear()
+    triton_only = run("0")
+    assert calls == [], calls
+    torch.cuda.synchronize()
+    for name, a, b in zip(("y", "h") + tuple(GRADS), engine, triton_only):
+        if name == "dprobs":
+            assert a.dtype == torch.float32
+            assert float((a.double() - b.double()).norm() / b.double().norm()) <= 1e-6, name
+        elif b is not None:
+            assert torch.equal(a, b), f"{name}: {int((a != b).sum())} of {a.numel()} elements differ"

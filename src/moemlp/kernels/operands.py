@@ -7,8 +7,9 @@ Without a recipe the operands are the tensors themselves. Under a recipe every G
 quantizes both operands along its reduction dim, one of two ways:
 
 * native (fp8_block): e4m3 codes and fp32 block scales go to the FP8 mode of the grouped GEMM
-  (forward and dgrad GEMMs) and to ``launch.fp8_grouped_wgrad`` (weight gradients); the
-  partial sums are promoted every 128-deep step. Weights are quantized in 128×128 tiles, which
+  (forward and dgrad GEMMs; FC2 without a bias, FC2_DGRAD and FC1_DGRAD on the Gluon engine's
+  FP8 mainloop where it runs, the same bits) and to ``launch.fp8_grouped_wgrad`` (weight
+  gradients); the partial sums are promoted every 128-deep step. Weights are quantized in 128×128 tiles, which
   serve both the forward (rows n, reduction k) and the dgrad (the same tiles read transposed): the
   dgrad takes a K-major copy of the codes (``codes_t``), since Hopper's e4m3 wgmma reads both
   operands K-major, stored by the same quantizer pass. Once per forward + backward: a forward whose
@@ -361,16 +362,31 @@ def gemm(
 ) -> Optional[Tensor]:
     """One grouped-GEMM launch of the MLP: A @ B with B(n, k) = W[e, n, k] (fc1, fc2) or W[e, k, n]
     (the dgrads), both operands quantized first under cfg.recipe. Returns the dprobs partials when
-    asked (``launch.launch_dprobs_reduce`` sums them), else None."""
+    asked (``launch.launch_dprobs_reduce`` sums them), else None. FC2_DGRAD (bf16, fp8_block) and,
+    under fp8_block, FC2 and FC1_DGRAD run on the Gluon engine where it takes them (``_gluon_on``,
+    ``gluon.*_supports``); elsewhere, and for every other case, on the Triton kernel."""
+    params = tuple(cfg.activation_params) + (0.0,) * (3 - len(cfg.activation_params))
     if kind == "fc2_dgrad" and cfg.recipe is None and _engine_fc2_dgrad(a, weight.w, h, out, z, cfg):
         return gluon.fc2_dgrad(
             a, weight.w, splits, h, out, z=z, probs=probs, dprobs_partials=dprobs_partials,
-            glu_interleave=cfg.glu_interleave, activation_id=cfg.activation.kernel_id,
-            params=tuple(cfg.activation_params) + (0.0,) * (3 - len(cfg.activation_params)),
+            glu_interleave=cfg.glu_interleave, activation_id=cfg.activation.kernel_id, params=params,
         )  # fmt: skip
     emulated = cfg.recipe is not None and not is_native(cfg.recipe)
     b_op = weight.forward() if kind in ("fc1", "fc2") else weight.dgrad()
     a_op = act(a, cfg.recipe)
+    if is_native(cfg.recipe) and _gluon_on(a):
+        b_scale = _tile_scales(b_op, N, K)
+        if kind == "fc2_dgrad":
+            w2 = b_op.b.transpose(1, 2)  # W2's K-major codes (E, F, H) as the (E, H, F) weight they transpose
+            if not gluon.fc2_dgrad_fp8_supports(a_op.a, w2, h, cfg.activation.kernel_id, cfg.glu, (out, z)):
+                return gluon.fc2_dgrad(
+                    a_op.a, w2, splits, h, out, z=z, probs=probs, dprobs_partials=dprobs_partials,
+                    glu_interleave=cfg.glu_interleave, activation_id=cfg.activation.kernel_id, params=params,
+                    dy_scale=a_op.scales, w2_scale=b_scale,
+                )  # fmt: skip
+        elif kind in ("fc2", "fc1_dgrad") and bias is None and not gluon.fp8_supports(a_op.a, b_op.b, out):
+            gluon.grouped_gemm_fp8(a_op.a, a_op.scales, b_op.b, b_scale, splits, out, out_dtype=out.dtype)
+            return None
     return launch.launch_grouped_gemm(
         kind, a=a_op.a, b=b_op.b, b_strides=b_op.strides, splits=splits, out=out, N=N, K=K, N1=N1, cfg=cfg,
         emulated=emulated, probs=probs, bias=bias, scale_bias=kind == "fc2" and cfg.scale_fc2_bias, z=z, h=h,
@@ -379,12 +395,25 @@ def gemm(
     )  # fmt: skip
 
 
+def _gluon_on(t: Tensor) -> bool:
+    """Whether the Gluon engine may run the GEMMs of tensors on t's device: CUDA, unless MOEMLP_GLUON=0
+    (``gluon.*_supports`` then ask for an sm_90 GPU whose triton has Gluon's Hopper API, and the
+    shapes). The Triton kernels it replaces give the same bits (tests/kernels/test_gluon_*.py)."""
+    return t.device.type == "cuda" and os.environ.get("MOEMLP_GLUON", "1") != "0"
+
+
+def _tile_scales(b_op: WeightOperand, N: int, K: int) -> Tensor:
+    """fp8_block's 128×128 tile scales of B as the (E, ⌈N/128⌉, ⌈K/128⌉) view the engine reads:
+    tile (n//128, k//128) of expert e where ``b_op.scale_strides`` put it (transposed for a dgrad)."""
+    return torch.as_strided(b_op.scales, (b_op.scales.shape[0], _tiles(N), _tiles(K)), b_op.scale_strides)
+
+
 def _engine_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, g_h: Tensor, z: Optional[Tensor], cfg) -> bool:
     """Whether FC2_DGRAD runs on the warp-specialized Gluon engine (kernels/gluon/_fc2_dgrad.py): bf16
     without a recipe, swiglu or clamped_swiglu, on an sm_90 GPU whose triton has Gluon's Hopper API,
     unless MOEMLP_GLUON=0. Elsewhere the Triton kernel runs, which gives the same g_h and z bits
     (its dprobs partials differ only in their summation order)."""
-    if dy.device.type != "cuda" or os.environ.get("MOEMLP_GLUON", "1") == "0":
+    if not _gluon_on(dy):
         return False
     for out in (g_h, z):  # written with h's row stride, as bf16
         if out is not None and (out.dtype != torch.bfloat16 or not out.is_contiguous()):

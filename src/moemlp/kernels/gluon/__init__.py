@@ -4,10 +4,20 @@ C[R_e] = A[R_e] @ B[e]ᵀ for rows grouped by expert; ``is_available()`` says wh
 device can run it (``why_unavailable()`` says why not). ``fc2_dgrad`` is the MLP's FC2_DGRAD with its
 fused epilogue (dSwiGLU·probs, z, dprobs partials), which the backward runs where
 ``fc2_dgrad_supports`` allows (kernels/operands.py). ``grouped_gemm_fp8`` is fp8_block's grouped GEMM
-(e4m3 codes with 1×128 and 128×128 block scales) on the engine's cooperative tiles."""
+(e4m3 codes with 1×128 and 128×128 block scales) on the engine's cooperative tiles, which the MLP's
+FC2 and FC1_DGRAD run under fp8_block where ``fp8_supports`` allows, as its FC2_DGRAD runs
+``fc2_dgrad`` on the codes where ``fc2_dgrad_fp8_supports`` does."""
 
 from ._compat import is_available, missing, why_unavailable
-from ._launch import fc2_dgrad, fc2_dgrad_supports, grouped_gemm, grouped_gemm_fp8, supports
+from ._launch import (
+    fc2_dgrad,
+    fc2_dgrad_fp8_supports,
+    fc2_dgrad_supports,
+    fp8_supports,
+    grouped_gemm,
+    grouped_gemm_fp8,
+    supports,
+)
 
-__all__ = ["grouped_gemm", "grouped_gemm_fp8", "supports", "fc2_dgrad", "fc2_dgrad_supports", "is_available",
-           "missing", "why_unavailable"]
+__all__ = ["grouped_gemm", "grouped_gemm_fp8", "supports", "fp8_supports", "fc2_dgrad", "fc2_dgrad_supports",
+           "fc2_dgrad_fp8_supports", "is_available", "missing", "why_unavailable"]

@@ -5,6 +5,10 @@
     g_h  = g_z · p · (da/dgate, da/dup)     one rounding to bf16 (gate and up columns of h)
     z    = a · p                            one rounding to bf16, dW2's operand
 
+Under fp8_block (SCALED) dy and W2 are e4m3 codes with their 1×128 and 128×128 scales, g_z the sum
+of the scaled 128-deep products (_engine._mainloop_scaled), and g_h and z are stored in fp32, the
+unrounded values the recipe quantizes for dx, dW1 and dW2 (kernels/mlp.py).
+
 a = act(gate, up) from the stored h upcast to fp32; the GLU kinds swiglu (0) and clamped_swiglu (1),
 written operation for operation as kernels/gemm/activations.py writes them.
 
@@ -216,27 +220,37 @@ def _dgrad_capacity(m0, n0, WG: gl.constexpr, args):
 
 
 @gluon.jit
-def _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+def _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, a_scale_ptr, stride_asm, stride_ask,
+              b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2,
               a_ring, b_ring, g_tiles, ready, empty, turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr,
               B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, CHAIN: gl.constexpr, ACT: gl.constexpr,
-              HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr, A_PARTS: gl.constexpr):
+              HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr, A_PARTS: gl.constexpr,
+              SCALED: gl.constexpr):
     _tile_loop(_dgrad_epilogue, _dgrad_capacity,
                (g_tiles, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, M, N, N1, p0, p1, p2, BM, BN, CW, G, ACT,
                 HAS_PROBS, STORE_Z, STORE_PARTIAL),
                a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK,
-               B_KMAJOR, CHAIN, A_PARTS, False, (0,))  # fmt: skip
+               B_KMAJOR, CHAIN, A_PARTS, SCALED,
+               (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk))  # fmt: skip
 
 
 @gluon.jit
 def fc2_dgrad_kernel(
-    a_desc,  # dy (M, H) bf16, rows grouped by expert; block [BM, BK]
-    b_desc,  # W2: B_KMAJOR (E·F, H) (a transposed-layout weight), block [BN, BK]; else (E·H, F), block [BK, BN]
+    a_desc,  # dy (M, H) bf16, or its e4m3 codes (SCALED), rows grouped by expert; block [BM, BK]
+    b_desc,  # W2: B_KMAJOR (E·F, H) (a transposed-layout weight, or W2's K-major codes), block [BN, BK]; else (E·H, F), block [BK, BN]
     h_ptr,  # (M, N1) bf16, the forward's stored h
-    gh_ptr,  # (M, N1) bf16, written
-    z_ptr,  # (M, F) bf16, written (STORE_Z)
+    gh_ptr,  # (M, N1) bf16 or fp32 (under a recipe), written
+    z_ptr,  # (M, F) bf16 or fp32, written (STORE_Z)
     probs_ptr,  # (M,) fp32 / bf16 / fp16 (HAS_PROBS)
     part_ptr,  # (cdiv(F, BN), M) fp32 dprobs partials, written (STORE_PARTIAL)
+    a_scale_ptr,  # SCALED: (M, ⌈H/128⌉) fp32 1×128 scales of dy's codes, row m's of K block kb at m·stride_asm + kb·stride_ask
+    stride_asm,
+    stride_ask,
+    b_scale_ptr,  # SCALED: W2's 128×128 tile scales, tile (f//128, h//128) of e at e·stride_bse + ·stride_bsn + ·stride_bsk
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
     splits_ptr,  # (E,) int32 / int64
     E,
     M,
@@ -261,6 +275,7 @@ def fc2_dgrad_kernel(
     STORE_Z: gl.constexpr,
     STORE_PARTIAL: gl.constexpr,
     A_PARTS: gl.constexpr,  # 1: ping-pong BM-row tiles; 2: cooperative 2·BM-row tiles (_engine._tile_loop)
+    SCALED: gl.constexpr,  # fp8_block: e4m3 operands, each 128-deep product scaled into g_z (_engine._mainloop_scaled)
 ):
     a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR, A_PARTS)
     g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
@@ -269,12 +284,14 @@ def fc2_dgrad_kernel(
     # The argument tuples are written out in the call: a tuple bound to a name first would turn its
     # constexprs into runtime values.
     warp_specialize([
-        (_consumer, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+        (_consumer, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, a_scale_ptr, stride_asm, stride_ask,
+                     b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2,
                      a_ring, b_ring, g_tiles, ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
-                     CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS)),
-        (_consumer, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+                     CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS, SCALED)),
+        (_consumer, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, a_scale_ptr, stride_asm, stride_ask,
+                     b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2,
                      a_ring, b_ring, g_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
-                     CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS)),
+                     CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS, SCALED)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                      GROUP_M, E_BLOCK, B_KMAJOR, A_PARTS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

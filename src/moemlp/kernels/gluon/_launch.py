@@ -26,6 +26,11 @@ GROUP_M = 8
 # (starts, ends, tile ends): 256 experts keep that at 24 registers in the 40-register producer.
 MAX_EXPERTS = 256
 
+# FP8 blockwise GEMM (_engine.grouped_gemm_fp8_kernel): cooperative 128-row tiles, 128-deep steps (one
+# scale block each), 4 stages of (128 + 128) × 128 codes = 32 KiB: 128 KiB of ring + 2 epilogue tiles
+# of 64 × 128 (bf16 16 KiB each, fp32 32 KiB).
+FP8_BM, FP8_BK, FP8_STAGES = 64, 128, 4
+
 
 @functools.cache
 def _num_sms(device_index: int) -> int:
@@ -244,6 +249,33 @@ def fc2_dgrad_supports(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, acti
     return _device_reason(_index(dy.device))
 
 
+def fc2_dgrad_fp8_supports(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, activation_id: int, glu: bool,
+                           outs: tuple = ()) -> str:
+    """Why the fused FC2_DGRAD cannot take fp8_block's operands ("" when it can): dy (M, H) e4m3 codes,
+    w2 the transposed view of W2's K-major codes (E, F, H), h (M, 2F) bf16, and ``outs`` (g_h, z; None
+    for one not written) contiguous bf16 or fp32 (no device read)."""
+    if not glu or activation_id not in DGRAD_ACTIVATIONS:
+        return "the fused epilogue implements swiglu and clamped_swiglu"
+    fp8 = torch.float8_e4m3fn
+    if dy.dtype != fp8 or w2.dtype != fp8 or h.dtype != torch.bfloat16:
+        return "e4m3 codes of dy and W2 and a bf16 h only"
+    E, H, F = w2.shape
+    if E > MAX_EXPERTS:
+        return f"more than {MAX_EXPERTS} experts"
+    if H % 16:
+        return "H not a multiple of 16 (TMA's 16-byte rows of codes)"
+    if not w2.transpose(1, 2).is_contiguous() or (w2.is_contiguous() and E * F * H > 0):
+        return "W2's codes not the transposed view of a contiguous (E, F, H)"
+    if not (dy.is_contiguous() and h.is_contiguous()) or dy.data_ptr() % 16 or w2.data_ptr() % 16:
+        return "operands not contiguous and 16-byte aligned"
+    for out in outs:
+        if out is not None and (out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous()):
+            return "g_h and z must be contiguous bf16 or fp32"
+    if dy.device.type != "cuda":
+        return "not a CUDA tensor"
+    return _device_reason(_index(dy.device))
+
+
 def fc2_dgrad(
     dy: torch.Tensor,  # (M, H) bf16, rows grouped by expert
     w2: torch.Tensor,  # (E, H, F) bf16: contiguous, or the transposed view of a contiguous (E, F, H)
@@ -259,6 +291,8 @@ def fc2_dgrad(
     params: tuple[float, float, float],
     promote_depth: int = PROMOTE_DEPTH,
     cooperative: bool | None = None,
+    dy_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The MLP's FC2_DGRAD on the engine: g_z = dy[R_e] @ W2[e] in fp32 (each ``promote_depth``-deep
     product promoted),
@@ -266,7 +300,13 @@ def fc2_dgrad(
     (returned, (⌈F/128⌉, M) fp32, when asked). Capacity rows get zeros. ``cooperative``: 128-row
     tiles, each consumer warpgroup taking 64 of its rows, both issuing at once (else 64-row tiles in
     ping-pong); the same bits either way; None: cooperative where the experts average at least
-    DGRAD_COOPERATIVE_ROWS rows (M / E, no device read). The caller checked ``fc2_dgrad_supports``."""
+    DGRAD_COOPERATIVE_ROWS rows (M / E, no device read).
+
+    fp8_block (``dy_scale`` and ``w2_scale`` given): dy holds e4m3 codes with dy_scale (M, ⌈H/128⌉)
+    fp32 their 1×128 scales, w2 the transposed view of W2's K-major codes (E, F, H) with w2_scale
+    (E, ⌈F/128⌉, ⌈H/128⌉) fp32 their 128×128 tile scales (any strides); each 128-deep product is
+    scaled into g_z (``promote_depth`` is not read), and g_h and z may be fp32. The caller checked
+    ``fc2_dgrad_supports`` (bf16) or ``fc2_dgrad_fp8_supports``."""
     from ._compat import TensorDescriptor
     from ._engine import MAXNREG, NUM_WARPS
     from ._fc2_dgrad import fc2_dgrad_kernel
@@ -274,8 +314,18 @@ def fc2_dgrad(
     _check_depth("fc2_dgrad", "promote_depth", promote_depth, zero_ok=False)
     if cooperative is not None and not isinstance(cooperative, bool):
         raise TypeError(f"fc2_dgrad: cooperative must be a bool or None, got {type(cooperative).__name__}")
+    scaled = dy_scale is not None
+    if scaled != (w2_scale is not None):
+        raise ValueError("fc2_dgrad: dy_scale and w2_scale come together (fp8_block) or not at all")
     M, H = dy.shape
     E, _, F = w2.shape
+    if scaled:
+        if w2.is_contiguous() and E * F * H > 0:
+            raise ValueError("fc2_dgrad: fp8_block's W2 must be the transposed view of its K-major codes (E, F, H)")
+        kb, nb = -(-H // FP8_BK), -(-F // BN)
+        if tuple(dy_scale.shape) != (M, kb) or tuple(w2_scale.shape) != (E, nb, kb):
+            raise ValueError(f"fc2_dgrad: dy_scale must be ({M}, {kb}) and w2_scale ({E}, {nb}, {kb}), got "
+                             f"{tuple(dy_scale.shape)} and {tuple(w2_scale.shape)}")  # fmt: skip
     if cooperative is None:
         cooperative = M >= DGRAD_COOPERATIVE_ROWS * E
     N1 = h.shape[1]
@@ -293,10 +343,16 @@ def fc2_dgrad(
     bm = BM_PROMOTED
     kmajor = not w2.is_contiguous()  # the transposed view of a contiguous (E, F, H): B as (E·F, H)
     b2d = w2.transpose(1, 2).reshape(E * F, H) if kmajor else w2.view(E * H, F)
-    b_block = (BN, BK) if kmajor else (BK, BN)
+    bk = FP8_BK if scaled else BK
+    b_block = (BN, bk) if kmajor else (bk, BN)
+    layout = _fp8_smem_layout if scaled else _smem_layout
     bind_context(dy.device)
-    a_desc = TensorDescriptor.from_tensor(dy, [bm, BK], _smem_layout((bm, BK)))
-    b_desc = TensorDescriptor.from_tensor(b2d, list(b_block), _smem_layout(b_block))
+    a_desc = TensorDescriptor.from_tensor(dy, [bm, bk], layout((bm, bk)))
+    b_desc = TensorDescriptor.from_tensor(b2d, list(b_block), layout(b_block))
+    if scaled:
+        scale_args = (dy_scale, dy_scale.stride(0), dy_scale.stride(1), w2_scale, *w2_scale.stride())
+    else:
+        scale_args = (dy, 0, 0, dy, 0, 0, 0)  # never read: SCALED is off
     e_block = max(32, 1 << (E - 1).bit_length())
     a_parts = 2 if cooperative else 1
     tile_bound = (-(-M // (bm * a_parts)) + E) * -(-F // BN)
@@ -305,19 +361,35 @@ def fc2_dgrad(
     with torch.cuda.device(dy.device):
         fc2_dgrad_kernel[grid](
             a_desc, b_desc, h, g_h, z if z is not None else dummy, probs if probs is not None else dummy,
-            partial if partial is not None else dummy, splits, E, M, F, H, N1,
+            partial if partial is not None else dummy, *scale_args, splits, E, M, F, H, N1,
             float(params[0]), float(params[1]), float(params[2]),
-            BM=bm, BN=BN, BK=BK, STAGES=STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor, CW=DGRAD_CW,
-            G=glu_interleave, CHAIN=promote_depth // BK, ACT=activation_id, HAS_PROBS=probs is not None, STORE_Z=z is not None,
-            STORE_PARTIAL=partial is not None, A_PARTS=a_parts, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+            BM=bm, BN=BN, BK=bk, STAGES=STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor, CW=DGRAD_CW,
+            G=glu_interleave, CHAIN=1 if scaled else promote_depth // BK, ACT=activation_id,
+            HAS_PROBS=probs is not None, STORE_Z=z is not None, STORE_PARTIAL=partial is not None, A_PARTS=a_parts,
+            SCALED=scaled, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
     return partial
 
 
-# FP8 blockwise GEMM (_engine.grouped_gemm_fp8_kernel): cooperative 128-row tiles, 128-deep steps (one
-# scale block each), 4 stages of (128 + 128) × 128 codes = 32 KiB: 128 KiB of ring + 2 epilogue tiles
-# of 64 × 128 (bf16 16 KiB each, fp32 32 KiB).
-FP8_BM, FP8_BK, FP8_STAGES = 64, 128, 4
+def fp8_supports(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> str:
+    """Why ``grouped_gemm_fp8`` cannot take these operands ("" when it can): a (M, K) and b (E, N, K)
+    e4m3 codes, contiguous and 16-byte aligned, with K a multiple of 16, N of 8, and ``out`` a
+    contiguous bf16 or fp32 C (no device read)."""
+    fp8 = torch.float8_e4m3fn
+    if a.dtype != fp8 or b.dtype != fp8 or b.dim() != 3:
+        return "e4m3 codes with B as (E, N, K) only"
+    E, N, K = b.shape
+    if E > MAX_EXPERTS:
+        return f"more than {MAX_EXPERTS} experts"
+    if K % 16 or N % 8:
+        return "K not a multiple of 16 or N not of 8 (TMA's 16-byte rows)"
+    if not (a.is_contiguous() and b.is_contiguous()) or a.data_ptr() % 16 or b.data_ptr() % 16:
+        return "operands not contiguous and 16-byte aligned"
+    if out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous() or out.data_ptr() % 16:
+        return "C must be a contiguous, 16-byte aligned bf16 or fp32 tensor"
+    if a.device.type != "cuda":
+        return "not a CUDA tensor"
+    return _device_reason(_index(a.device))
 
 
 def grouped_gemm_fp8(
