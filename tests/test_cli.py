@@ -37,6 +37,7 @@ def test_bench_cpu(tmp_path, capsys):
     assert "backend=torch (runs: torch)" in out and "vs_lean_fwdbwd" in out and "p90 − p10" in out
 
 
+@pytest.mark.long(seconds=70)
 def test_bench_compiled_peer_cpu(tmp_path):
     # The peer a torchtitan user runs: the lean composition under torch.compile, same numbers.
     assert main(["bench", "--device", "cpu", "--shape", "cpu-fine", "--peers", "compiled", "--out", str(tmp_path),
