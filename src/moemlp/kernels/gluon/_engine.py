@@ -117,19 +117,31 @@ def _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, BM: gl.constexpr, BN:
 
 
 @gluon.jit
+def _glu_rows(n0, G: gl.constexpr):
+    """FC1 with a GLU: the row of W1 (column of h) that holds the gate of output column n0, where h
+    interleaves gate and up in blocks of G columns (gate block, then its up block); the up is G on."""
+    return (n0 // G) * (2 * G) + n0 % G
+
+
+@gluon.jit
 def _producer(a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, A_PARTS: gl.constexpr):
+              GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, A_PARTS: gl.constexpr,
+              B_PARTS: gl.constexpr, G: gl.constexpr, N1):
     """BM: a consumer's rows. A_PARTS = 2 (cooperative): a tile is 2·BM rows, its A block loaded as
-    two BM-row parts (ring slots 2s and 2s + 1), one for each consumer, both beside one B block."""
+    two BM-row parts (ring slots 2s and 2s + 1), one for each consumer, both beside one B block.
+    B_PARTS = 2 (FC1 with a GLU, B K-major (E·N1, K)): a tile is BN / 2 output columns, its B block
+    the BN / 2 gate rows of W1 then their BN / 2 up rows (``_glu_rows``), two loads into the halves
+    of the stage; N counts output columns (F), N1 the rows of each W1[e]."""
     TILE_M: gl.constexpr = BM * A_PARTS
-    n_tiles = gl.cdiv(N, BN)
+    TILE_N: gl.constexpr = BN // B_PARTS
+    n_tiles = gl.cdiv(N, TILE_N)
     k_steps = gl.cdiv(K, BK)
     idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, TILE_M, E_BLOCK, 1)
-    stage_bytes: gl.constexpr = A_PARTS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    stage_bytes: gl.constexpr = A_PARTS * a_desc.block_type.nbytes + B_PARTS * b_desc.block_type.nbytes
     it = 0
     for t in range(gl.program_id(0), real_tiles, gl.num_programs(0)):
-        e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, TILE_M, BN, GROUP_M)
+        e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, TILE_M, TILE_N, GROUP_M)
         for kk in range(k_steps):
             s = it % STAGES
             # A fresh mbarrier passes a wait on parity 1, so the first lap finds every stage empty.
@@ -137,7 +149,12 @@ def _producer(a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, emp
             expect_bytes(ready.index(s), stage_bytes)
             for part in gl.static_range(A_PARTS):
                 tma_load(a_desc, [m0 + part * BM, kk * BK], ready.index(s), a_ring.index(s * A_PARTS + part))
-            if B_KMAJOR:  # B (E·N, K): the [BN, BK] block of expert e
+            if B_PARTS == 2:
+                gl.static_assert(B_KMAJOR, "the GLU's gate and up blocks are rows of a K-major W1")
+                gate = e * N1 + _glu_rows(n0, G)
+                tma_load(b_desc, [gate, kk * BK], ready.index(s), b_ring.index(s).slice(0, TILE_N))
+                tma_load(b_desc, [gate + G, kk * BK], ready.index(s), b_ring.index(s).slice(TILE_N, TILE_N))
+            elif B_KMAJOR:  # B (E·N, K): the [BN, BK] block of expert e
                 tma_load(b_desc, [e * N + n0, kk * BK], ready.index(s), b_ring.index(s))
             else:  # B (E·K, N): the [BK, BN] block; the launcher asks K % BK == 0 (no straddling)
                 tma_load(b_desc, [e * K + kk * BK, n0], ready.index(s), b_ring.index(s))
@@ -227,13 +244,15 @@ def _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl
 @gluon.jit
 def _mainloop_scaled(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexpr, BM: gl.constexpr,
                      BN: gl.constexpr, STAGES: gl.constexpr, A_PARTS: gl.constexpr, PART: gl.constexpr, a_s_ptrs,
-                     row_ok, stride_ask, b_s_ptr, stride_bsk):
+                     row_ok, stride_ask, b_s_ptr, stride_bsk, B_COLS: gl.constexpr):
     """The FP8 blockwise K loop (SPEC §3, fp8_block), BK = 128 = one scale block: each step's product
     is a fresh chain of m64n128k32 e4m3 wgmma, waited for and added to the fp32 total scaled by its
     rows' A scales times the tile's B scale, ``total += part · (a_s · b_s)`` as the Triton kernel
     writes it (kernels/gemm/grouped.py, ``_fp8_product``). The step's scales are loaded while its
     wgmma run. B is K-major (fp8 wgmma reads no transposed operand). ``a_s_ptrs``: this consumer's
-    rows' scale pointers at K block 0; ``b_s_ptr``: the tile's B scale at K block 0."""
+    rows' scale pointers at K block 0; ``b_s_ptr``: the tile's B scale at K block 0, or with B_COLS
+    one pointer a column (FC1's gate and up halves come from two weight tiles), each product then
+    scaled by a_s · b_s element by element: the same fp32 products as a scalar b_s gives."""
     total = gl.zeros([BM, BN], gl.float32, acc_layout)
     part = gl.zeros([BM, BN], gl.float32, acc_layout)
     for kk in range(k_steps):
@@ -245,7 +264,10 @@ def _mainloop_scaled(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.c
         b_s = gl.load(b_s_ptr + kk * stride_bsk)
         part = warpgroup_mma_wait(0, deps=(pending,))
         mbarrier.arrive(empty.index(s))
-        total += part * gl.expand_dims(a_s * b_s, 1)
+        if B_COLS:
+            total += part * (gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0))
+        else:
+            total += part * gl.expand_dims(a_s * b_s, 1)
         it += 1
     return total, it
 
@@ -285,20 +307,23 @@ def _store_zeros(c_desc, c_smem, m0, n0, acc_layout: gl.constexpr, BM: gl.conste
 def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K,
                WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, PROMOTE: gl.constexpr,
-               A_PARTS: gl.constexpr, SCALED: gl.constexpr, scale_args):
+               A_PARTS: gl.constexpr, SCALED: gl.constexpr, scale_args, B_PARTS: gl.constexpr, G: gl.constexpr):
     """One consumer warpgroup's tiles, every kernel on the engine. Ping-pong (A_PARTS = 1): this CTA's
     j-th tile is warpgroup j % 2's, BM rows, the mainloops taken in turn. Cooperative (A_PARTS = 2,
     promoted only): every tile is 2·BM rows, and warpgroup WG takes rows WG·BM on of each, both
     issuing wgmma at once on the same B stages. A real tile runs the mainloop (promoted when
-    PROMOTE > 0) and hands its fp32 accumulator to the epilogue unit, ``epilogue(acc, m0, n0, row_end,
-    WG, args)`` with m0 this warpgroup's first row; a capacity tile (rows from Σsplits on) calls
-    ``capacity(m0, n0, WG, args)``. ``args`` is the unit's own tuple: the kernel's outputs, sizes and
-    constexprs. SCALED: the FP8 blockwise mainloop (``_mainloop_scaled``), ``scale_args`` = (a_scale_ptr,
-    stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk)."""
+    PROMOTE > 0) and hands its fp32 accumulator to the epilogue unit, ``epilogue(acc, e, m0, n0,
+    row_end, WG, args)`` with e the tile's expert and m0 this warpgroup's first row; a capacity tile
+    (rows from Σsplits on) calls ``capacity(m0, n0, WG, args)``. ``args`` is the unit's own tuple: the
+    kernel's outputs, sizes and constexprs. SCALED: the FP8 blockwise mainloop (``_mainloop_scaled``),
+    ``scale_args`` = (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn,
+    stride_bsk). B_PARTS = 2: FC1's GLU tiles (``_producer``), BN / 2 output columns each, the
+    accumulator's first BN / 2 columns the gates and the rest their ups; n0 counts output columns."""
     gl.static_assert((A_PARTS == 1) | (PROMOTE > 0), "cooperative tiles take the promoted mainloop")
     TILE_M: gl.constexpr = BM * A_PARTS
+    TILE_N: gl.constexpr = BN // B_PARTS
     COOP: gl.constexpr = A_PARTS == 2
-    n_tiles = gl.cdiv(N, BN)
+    n_tiles = gl.cdiv(N, TILE_N)
     k_steps = gl.cdiv(K, BK)
     idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, TILE_M, E_BLOCK, 4)
     cap_tiles = gl.cdiv(M - routed, TILE_M) * n_tiles
@@ -327,7 +352,7 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
     for j in range(first, my_tiles, step):
         t = pid + j * nprog
         if t < real_tiles:
-            e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, TILE_M, BN, GROUP_M)
+            e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, TILE_M, TILE_N, GROUP_M)
             if not COOP:
                 # My turn for the mainloop: warpgroup 0 waits on parity 1 first (passes at once).
                 mbarrier.wait(turn.index(WG), (turns & 1) ^ (1 - WG))
@@ -336,10 +361,16 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
             if SCALED:
                 rows = m0 + row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
                 a_s_ptrs = scale_args[0] + rows.to(gl.int64) * scale_args[1]
-                b_s_ptr = scale_args[3] + e.to(gl.int64) * scale_args[4] + (n0 // BN) * scale_args[5]
+                b_s_ptr = scale_args[3] + e.to(gl.int64) * scale_args[4]
+                if B_PARTS == 2:  # each half's 128-row weight tile: the gates', then the ups'
+                    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+                    w_rows = _glu_rows(n0, G) + gl.where(cols < TILE_N, 0, G)
+                    b_s_ptr = b_s_ptr + (w_rows // 128) * scale_args[5]
+                else:
+                    b_s_ptr = b_s_ptr + (n0 // BN) * scale_args[5]
                 acc, it = _mainloop_scaled(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM, BN,
                                            STAGES, A_PARTS, part, a_s_ptrs, rows < M, scale_args[2], b_s_ptr,
-                                           scale_args[6])
+                                           scale_args[6], B_PARTS == 2)
                 if not COOP:
                     mbarrier.arrive(turn.index(1 - WG))
             elif PROMOTE > 0:
@@ -354,15 +385,15 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
                 mbarrier.arrive(turn.index(1 - WG))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-            epilogue(acc, m0 + row0, n0, row_end, WG, args)
+            epilogue(acc, e, m0 + row0, n0, row_end, WG, args)
         else:
             cap = t - real_tiles
-            capacity(routed + (cap // n_tiles) * TILE_M + row0, (cap % n_tiles) * BN, WG, args)
+            capacity(routed + (cap // n_tiles) * TILE_M + row0, (cap % n_tiles) * TILE_N, WG, args)
     store_wait(0)  # the last TMA stores have left this warpgroup's shared tile
 
 
 @gluon.jit
-def _plain_epilogue(acc, m0, n0, row_end, WG: gl.constexpr, args):
+def _plain_epilogue(acc, e, m0, n0, row_end, WG: gl.constexpr, args):
     """The plain GEMM's unit: the tile rounded to C's dtype and stored. ``args`` = (c_desc, c_ptr,
     c_tiles, M, N, BM, BN); its constexprs are read by index into constexpr names (unpacking a tuple
     would turn them into runtime values)."""
@@ -387,7 +418,7 @@ def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_r
               PROMOTE: gl.constexpr, A_PARTS: gl.constexpr):
     _tile_loop(_plain_epilogue, _plain_capacity, (c_desc, c_ptr, c_tiles, M, N, BM, BN), a_ring, b_ring, ready,
                empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE,
-               A_PARTS, False, (0,))
+               A_PARTS, False, (0,), 1, 1)
 
 
 @gluon.jit
@@ -443,7 +474,7 @@ def grouped_gemm_kernel(
         (_consumer, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
                      turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE, 1)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
-                     GROUP_M, E_BLOCK, B_KMAJOR, 1)),
+                     GROUP_M, E_BLOCK, B_KMAJOR, 1, 1, 1, N)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -454,7 +485,7 @@ def _fp8_consumer(a_desc, b_desc, c_desc, c_ptr, a_scale_ptr, stride_asm, stride
                   GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr):
     _tile_loop(_plain_epilogue, _plain_capacity, (c_desc, c_ptr, c_tiles, M, N, BM, BN), a_ring, b_ring, ready,
                empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, True, 1, 2, True,
-               (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk))
+               (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk), 1, 1)
 
 
 @gluon.jit
@@ -495,5 +526,5 @@ def grouped_gemm_fp8_kernel(
                          stride_bsn, stride_bsk, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty, turn,
                          1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
-                     GROUP_M, E_BLOCK, True, 2)),
+                     GROUP_M, E_BLOCK, True, 2, 1, 1, N)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -33,9 +33,7 @@ the outputs is written exactly once. No atomics: the same bits on every run.
 
 from __future__ import annotations
 
-import triton.language as tl
-
-from ._compat import gl, gluon, mbarrier, warp_specialize
+from ._compat import gl, gluon, warp_specialize
 from ._engine import (
     CONSUMER_REGS,
     PRODUCER_REGS,
@@ -43,39 +41,7 @@ from ._engine import (
     _ring,
     _tile_loop,
 )
-
-SWIGLU = 0
-CLAMPED_SWIGLU = 1
-_NAN = gl.constexpr(tl.PropagateNan.ALL) if gl is not None else None
-
-
-@gluon.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + gl.exp(-x))
-
-
-@gluon.jit
-def _glu_backward(gate, up, ACT: gl.constexpr, p0, p1, p2):
-    """(a, da/dgate, da/dup), as gemm/activations.py's glu_backward for kinds 0 and 1."""
-    if ACT == 0:
-        s = _sigmoid(gate)
-        silu = gate * s
-        a = silu * up
-        d_gate = (s + silu * (1.0 - s)) * up
-        d_up = silu
-    else:
-        gl.static_assert(ACT == 1)
-        # min / max propagating NaN, as torch.clamp (the hardware min.f32 would return the limit)
-        gate_c = gl.minimum(gate, p0, propagate_nan=_NAN)
-        up_c = gl.minimum(gl.maximum(up, -p0, propagate_nan=_NAN), p0, propagate_nan=_NAN)
-        s = _sigmoid(p1 * gate_c)
-        glu = gate_c * s
-        a = glu * (up_c + p2)
-        d_gate = (s + p1 * glu * (1.0 - s)) * (up_c + p2)
-        d_up = glu
-        d_gate = gl.where(gate <= p0, d_gate, 0.0)
-        d_up = gl.where((up >= -p0) & (up <= p0), d_up, 0.0)
-    return a, d_gate, d_up
+from ._glu import _glu_backward
 
 
 @gluon.jit
@@ -189,7 +155,7 @@ def _zeros(gh_ptr, z_ptr, part_ptr, m0, n0, M, N, N1, BM: gl.constexpr, BN: gl.c
 
 
 @gluon.jit
-def _dgrad_epilogue(acc, m0, n0, row_end, WG: gl.constexpr, args):
+def _dgrad_epilogue(acc, e, m0, n0, row_end, WG: gl.constexpr, args):
     """The engine's epilogue unit (_engine._tile_loop) for FC2_DGRAD: the tile's fp32 g_z to this
     warpgroup's shared tile, then ``_epilogue``. ``args`` = (g_tiles, h_ptr, gh_ptr, z_ptr, probs_ptr,
     part_ptr, M, N, N1, p0, p1, p2, BM, BN, CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL); the
@@ -232,22 +198,27 @@ def _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, a_scale
                 HAS_PROBS, STORE_Z, STORE_PARTIAL),
                a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK,
                B_KMAJOR, CHAIN, A_PARTS, SCALED,
-               (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk))  # fmt: skip
+               (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk),
+               1, 1)  # fmt: skip
 
 
 @gluon.jit
 def fc2_dgrad_kernel(
     a_desc,  # dy (M, H) bf16, or its e4m3 codes (SCALED), rows grouped by expert; block [BM, BK]
-    b_desc,  # W2: B_KMAJOR (E·F, H) (a transposed-layout weight, or W2's K-major codes), block [BN, BK]; else (E·H, F), block [BK, BN]
+    # W2: B_KMAJOR (E·F, H) (a transposed-layout weight, or W2's K-major codes), block [BN, BK];
+    # else (E·H, F), block [BK, BN]
+    b_desc,
     h_ptr,  # (M, N1) bf16, the forward's stored h
     gh_ptr,  # (M, N1) bf16 or fp32 (under a recipe), written
     z_ptr,  # (M, F) bf16 or fp32, written (STORE_Z)
     probs_ptr,  # (M,) fp32 / bf16 / fp16 (HAS_PROBS)
     part_ptr,  # (cdiv(F, BN), M) fp32 dprobs partials, written (STORE_PARTIAL)
-    a_scale_ptr,  # SCALED: (M, ⌈H/128⌉) fp32 1×128 scales of dy's codes, row m's of K block kb at m·stride_asm + kb·stride_ask
+    # SCALED: (M, ⌈H/128⌉) fp32 1×128 scales of dy's codes, row m's of K block kb at m·stride_asm + kb·stride_ask
+    a_scale_ptr,
     stride_asm,
     stride_ask,
-    b_scale_ptr,  # SCALED: W2's 128×128 tile scales, tile (f//128, h//128) of e at e·stride_bse + ·stride_bsn + ·stride_bsk
+    # SCALED: W2's 128×128 tile scales, tile (f//128, h//128) of e at e·stride_bse + ·stride_bsn + ·stride_bsk
+    b_scale_ptr,
     stride_bse,
     stride_bsn,
     stride_bsk,
@@ -275,7 +246,7 @@ def fc2_dgrad_kernel(
     STORE_Z: gl.constexpr,
     STORE_PARTIAL: gl.constexpr,
     A_PARTS: gl.constexpr,  # 1: ping-pong BM-row tiles; 2: cooperative 2·BM-row tiles (_engine._tile_loop)
-    SCALED: gl.constexpr,  # fp8_block: e4m3 operands, each 128-deep product scaled into g_z (_engine._mainloop_scaled)
+    SCALED: gl.constexpr,  # fp8_block: e4m3 operands, each 128-deep product scaled into g_z (_mainloop_scaled)
 ):
     a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR, A_PARTS)
     g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
@@ -293,5 +264,5 @@ def fc2_dgrad_kernel(
                      a_ring, b_ring, g_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
                      CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS, SCALED)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
-                     GROUP_M, E_BLOCK, B_KMAJOR, A_PARTS)),
+                     GROUP_M, E_BLOCK, B_KMAJOR, A_PARTS, 1, 1, N)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -1,0 +1,150 @@
+"""fp8_block's FC1 on the Gluon engine (moemlp.kernels.gluon.fc1_fp8): an offline sm_90 compile on
+any machine (e4m3 wgmma of m64n128k32 over the gate and up halves, no serialized chain, registers,
+shared memory), the input checks, and on an H200 h and z against the Triton kernel's FP8 mode on the
+same operands (the same scaled 128-deep products and GLU formulas: the same bits)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from _sm90 import check_fp8_consumers, compile_gluon_sm90
+from moemlp.activations import ACTIVATIONS
+from moemlp.kernels.gluon import _compat, _launch
+
+needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks: {_compat.missing()}")
+
+
+def _compile_sm90(G: int, act: int, probs: str, z: str, bias: bool):
+    from moemlp.kernels.gluon import _engine, _fc1
+
+    gl = _compat.gl
+    BM, BN, BK = _launch.FP8_BM, _launch.BN, _launch.FP8_BK
+
+    def desc(block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+        return f"tensordesc<fp8e4nv[{block[0]},{block[1]}],{layout!r}>"
+
+    constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=_launch.FP8_STAGES, GROUP_M=_launch.GROUP_M, E_BLOCK=128,
+                      CW=_launch.FC1_CW, G=G, ACT=act, HAS_BIAS=bias, HAS_PROBS=True, STORE_Z=True)  # fmt: skip
+    sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN // 2, BK]), "h_ptr": "*bf16", "z_ptr": f"*{z}",
+           "bias_ptr": "*bf16", "probs_ptr": f"*{probs}", "a_scale_ptr": "*fp32", "stride_asm": "i32",
+           "stride_ask": "i32", "b_scale_ptr": "*fp32", "stride_bse": "i32", "stride_bsn": "i32",
+           "stride_bsk": "i32", "splits_ptr": "*i32", "E": "i32", "M": "i32", "N": "i32", "K": "i32", "N1": "i32",
+           "p0": "fp32", "p1": "fp32", "p2": "fp32"}  # fmt: skip
+    sig.update({name: "constexpr" for name in constexprs})
+    divisible = ("h_ptr", "z_ptr", "bias_ptr", "probs_ptr", "splits_ptr", "N", "K", "N1")
+    return compile_gluon_sm90(_fc1.fc1_fp8_kernel, sig, constexprs, divisible, _engine.NUM_WARPS, _engine.MAXNREG)
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "G, act, probs, z, bias",
+    [
+        pytest.param(768, 0, "fp32", "fp32", False, id="swiglu-halves-fp32z"),  # the MLP under fp8_block
+        pytest.param(64, 1, "bf16", "bf16", True, id="clamped-G64-bias-bf16"),
+    ],
+)
+def test_offline_sm90_compile(G, act, probs, z, bias):
+    sass, usage, shared = _compile_sm90(G, act, probs, z, bias)
+    # One m64n128k32 chain a step covers the tile's gates and ups at once.
+    check_fp8_consumers(sass, usage)
+    # The producer: two 64-row A blocks, and the gate and the up half of the B block, a stage.
+    assert len(re.findall(r"\bUTMALDG\.2D\b", sass)) == 4
+    # 4 stages × (2 × 64 + 128) × 128 codes + 2 fp32 epilogue tiles of 64 × 128, within sm_90's 227 KiB
+    stage = (2 * _launch.FP8_BM + _launch.BN) * _launch.FP8_BK
+    assert _launch.FP8_STAGES * stage + 2 * _launch.FP8_BM * _launch.BN * 4 <= shared <= 227 * 1024, shared
+
+
+def _codes(*shape):
+    return torch.zeros(*shape).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        pytest.param(dict(activation_id=3), "swiglu and clamped_swiglu", id="geglu"),
+        pytest.param(dict(x=torch.zeros(64, 256, dtype=torch.bfloat16)), "e4m3 codes", id="bf16-x"),
+        pytest.param(dict(w1=_codes(2, 256, 200)), "multiple of 16", id="odd-H"),
+        pytest.param(dict(glu_interleave=32), "multiple of 64", id="G32"),
+        pytest.param(dict(glu_interleave=192), "dividing F", id="G-not-dividing-F"),
+        pytest.param(dict(z=torch.zeros(64, 128, dtype=torch.float16)), "bf16 or fp32", id="fp16-z"),
+        pytest.param(dict(), "not a CUDA tensor", id="cpu"),
+    ],
+)
+def test_supports_names_what_it_cannot_take(change, words):
+    from moemlp.kernels.gluon import fc1_fp8_supports
+
+    args = dict(x=_codes(64, 256), w1=_codes(2, 256, 256), h=torch.zeros(64, 256, dtype=torch.bfloat16),
+                z=torch.zeros(64, 128), activation_id=0, glu=True, glu_interleave=128)  # fmt: skip
+    args.update(change)
+    reason = fc1_fp8_supports(**args)
+    assert words in reason, reason
+
+
+def test_scale_shapes_are_checked():
+    from moemlp.kernels.gluon import fc1_fp8
+
+    x, w1 = _codes(64, 256), _codes(2, 256, 256)
+    with pytest.raises(ValueError, match=r"w1_scale \(2, 2, 2\)"):
+        fc1_fp8(x, torch.ones(64, 2), w1, torch.ones(2, 1, 2), torch.zeros(2, dtype=torch.int32),
+                torch.zeros(64, 256, dtype=torch.bfloat16), z=None, bias=None, probs=None, glu_interleave=128,
+                activation_id=0, params=(0.0, 0.0, 0.0))  # fmt: skip
+
+
+# (splits, M, H, F, G, activation, params, bias, probs dtype, z dtype): one comment each
+GPU_CASES = [
+    pytest.param([700, 0, 512, 1300, 33, 900, 400, 251], 4163, 1024, 1408, None, "swiglu", (), False, torch.float32,
+                 torch.float32, id="mixtral-like"),  # gate / up halves, 64 capacity rows, z in fp32 as the MLP stores it under a recipe
+    pytest.param([300, 0, 257, 129, 1, 500, 220], 1507, 2880 + 48, 384, 64, "clamped_swiglu", (7.0, 1.702, 1.0), True,
+                 torch.bfloat16, torch.bfloat16, id="G64-bias-odd-H"),  # H ends in a partial 128-block
+    pytest.param([1000], 1000, 256, 128, 128, "swiglu", (), True, torch.float32, torch.float32, id="one-expert"),
+    pytest.param([0, 0, 0], 40, 256, 128, None, "swiglu", (), False, torch.float32, torch.float32,
+                 id="all-capacity"),
+    pytest.param([700, 700], 1000, 128, 192, None, "swiglu", (), False, torch.float32, torch.float32,
+                 id="splits-past-M"),  # the running sum is clamped at M; F = 3 tiles of 64
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype", GPU_CASES)
+def test_gpu_matches_the_triton_kernel(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype):
+    from moemlp._config import MLPConfig
+    from moemlp.kernels import operands
+    from moemlp.kernels.gemm import launch
+    from moemlp.kernels.gluon import fc1_fp8, fc1_fp8_supports, why_unavailable
+    from moemlp.recipes import recipe
+
+    if why_unavailable():
+        pytest.skip(why_unavailable())
+    torch.manual_seed(0)
+    dev = "cuda"
+    E, G = len(splits_list), G or F
+    spec = ACTIVATIONS[activation]
+    r = recipe("fp8_block")
+    x = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
+    w1 = (torch.randn(E, 2 * F, H, device=dev) * H**-0.5).to(torch.bfloat16)
+    b1 = torch.randn(E, 2 * F, device=dev, dtype=torch.bfloat16) if bias else None
+    probs = torch.rand(M, device=dev).to(probs_dtype)
+    splits = torch.tensor(splits_list, device=dev, dtype=torch.int32)
+    a_op, b_op = operands.act(x, r), operands.Weight(w1, r).forward()
+    pp = tuple(params) + (0.0,) * (3 - len(params))
+    h = torch.full((M, 2 * F), float("nan"), device=dev, dtype=torch.bfloat16)
+    z = torch.full((M, F), float("nan"), device=dev, dtype=z_dtype)
+    assert fc1_fp8_supports(a_op.a, b_op.b, h, z, spec.kernel_id, True, G) == ""
+    fc1_fp8(a_op.a, a_op.scales, b_op.b, operands._tile_scales(b_op, 2 * F, H), splits, h, z=z, bias=b1, probs=probs,
+            glu_interleave=G, activation_id=spec.kernel_id, params=pp)  # fmt: skip
+    h_t, z_t = torch.empty_like(h), torch.empty_like(z)
+    launch.launch_grouped_gemm(
+        "fc1", a=a_op.a, b=b_op.b, b_strides=b_op.strides, splits=splits, out=h_t, N=F, K=H, N1=2 * F,
+        cfg=MLPConfig(spec, tuple(params), G, False), probs=probs, bias=b1, z=z_t, a_scales=a_op.scales,
+        b_scales=b_op.scales, b_scale_strides=b_op.scale_strides,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    routed = min(sum(splits_list), M)
+    assert not torch.isnan(h).any() and not torch.isnan(z).any(), "h or z left unwritten"
+    assert torch.equal(h, h_t), f"{int((h != h_t).sum())} of {h.numel()} h elements differ from the Triton kernel's"
+    assert torch.equal(z, z_t), f"{int((z != z_t).sum())} of {z.numel()} z elements differ from the Triton kernel's"
+    assert (h[routed:] == 0).all() and (z[routed:] == 0).all(), "capacity rows"
