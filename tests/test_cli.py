@@ -93,14 +93,15 @@ def test_unknown_peer_is_refused(capsys):
     assert "cublas" in capsys.readouterr().err
 
 
-def test_bench_parts_needs_the_triton_backend(tmp_path, monkeypatch):
+@pytest.mark.parametrize("recipes", [[], ["--recipes"]], ids=["bf16", "fp8_block"])
+def test_bench_parts_needs_the_triton_backend(tmp_path, monkeypatch, recipes):
     # On a CPU outside the interpreter the Triton launches cannot run: a clear refusal, not a crash.
     from moemlp import kernels
 
     monkeypatch.setattr(kernels, "is_available", lambda device: False)
     monkeypatch.setattr(kernels, "unavailable_reason", lambda device: "no GPU and TRITON_INTERPRET unset")
     with pytest.raises(SystemExit, match="bench --parts times the Triton backend's launches.*no GPU"):
-        main(["bench", "--parts", "--device", "cpu", "--shape", "cpu-fine", "--out", str(tmp_path)])
+        main(["bench", "--parts", *recipes, "--device", "cpu", "--shape", "cpu-fine", "--out", str(tmp_path)])
 
 
 @pytest.mark.gpu
@@ -111,6 +112,31 @@ def test_bench_parts_gpu(tmp_path, capsys):
     for r in rows:
         assert 0 < float(r["moemlp_pct_mm"]) < 1000 and float(r["mm_tflops"]) > 0
     assert "% of a dense torch.mm" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_bench_parts_fp8_gpu(tmp_path, capsys):
+    """fp8_block's step part by part: every part in schedule order, each GEMM on the kernel the MLP
+    runs it on (on an H200: FC2, FC2_DGRAD and FC1_DGRAD on the Gluon engine), sane numbers."""
+    from moemlp.bench.parts import FP8_PARTS
+    from moemlp.kernels.gluon import why_unavailable
+
+    assert main(["bench", "--parts", "--recipes", "--shape", "cpu-small", "--out", str(tmp_path), "--rep-ms", "10"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "parts_fp8.csv")))
+    assert [(r["part"], r["kind"]) for r in rows] == list(FP8_PARTS)
+    kernels = {r["part"]: r["kernel"] for r in rows if r["kind"] == "gemm"}
+    assert kernels["fc1"] == "triton" and kernels["fc1_wgrad"] == kernels["fc2_wgrad"] == "triton fp8 wgrad"
+    if not why_unavailable():
+        assert kernels["fc2"] == kernels["fc1_dgrad"] == "gluon grouped_gemm_fp8", kernels
+        assert kernels["fc2_dgrad"] == "gluon fc2_dgrad_fp8", kernels
+    for r in rows:
+        assert float(r["ms"]) > 0 and float(r["pct_of_step"]) > 0
+        if r["kind"] == "gemm":
+            assert 0 < float(r["pct_mm"]) < 1000 and float(r["tflops"]) > 0
+        else:
+            assert float(r["gbps"]) > 0
+    assert sum(float(r["pct_of_step"]) for r in rows if r["kind"] != "weights") == pytest.approx(100.0)
+    assert "part by part" in capsys.readouterr().out
 
 
 def test_gpu_time_is_nan_off_a_gpu():

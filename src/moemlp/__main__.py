@@ -59,7 +59,8 @@ def main(argv=None) -> int:
                         "sizes above the GPU count are skipped")
     b.add_argument("--recipes", action="store_true", help="fp8_block, mxfp8 and nvfp4 beside the bf16 path")
     b.add_argument("--parts", action="store_true",
-                   help="the six GEMMs of forward + backward, each as a percentage of a dense torch.mm")
+                   help="the six GEMMs of forward + backward, each as a percentage of a dense torch.mm; with "
+                        "--recipes, fp8_block's step part by part (GEMMs and quantizer passes)")
     b.add_argument("--hf", action="store_true",
                    help="a transformers decoder layer and model: the 'moemlp' experts backend against 'grouped_mm'")
     b.add_argument("--peers", type=_peers, default=DEFAULT_PEERS,
@@ -87,6 +88,11 @@ def main(argv=None) -> int:
             from .bench.hf import run_hf_bench
 
             run_hf_bench(args)
+            return 0
+        if args.parts and args.recipes:
+            from .bench.parts import run_fp8_parts_bench
+
+            run_fp8_parts_bench(_shapes(args.shape, device), device, args.out, args.rep_ms)
             return 0
         if args.parts:
             from .bench.parts import run_parts_bench

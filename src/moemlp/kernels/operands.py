@@ -347,6 +347,17 @@ def gemm(
     kind: str,  # "fc1", "fc2", "fc2_dgrad" or "fc1_dgrad"
     a: Tensor,  # (M, K) rows grouped by expert: x | z | dy | g_h, compute dtype (fp32 z / g_h under a recipe)
     weight: Weight,  # W1 for fc1 / fc1_dgrad, W2 for fc2 / fc2_dgrad
+    **launch_args,  # gemm_on's
+) -> Optional[Tensor]:
+    """One grouped-GEMM launch of the MLP, A quantized first under cfg.recipe (``act``), then
+    ``gemm_on``. Returns the dprobs partials when asked, else None."""
+    return gemm_on(kind, act(a, launch_args["cfg"].recipe), weight, **launch_args)
+
+
+def gemm_on(
+    kind: str,  # "fc1", "fc2", "fc2_dgrad" or "fc1_dgrad"
+    a_op: ActOperand,  # A as ``act`` gives it: the tensor itself, or the recipe's codes / values
+    weight: Weight,  # W1 for fc1 / fc1_dgrad, W2 for fc2 / fc2_dgrad
     *,
     splits: Tensor,  # (E,)
     out: Tensor,  # h (M, N1) | y (M, H) | g_h (M, N1) | dx (M, H)
@@ -360,39 +371,57 @@ def gemm(
     h: Optional[Tensor] = None,  # (M, N1) read by fc2_dgrad
     dprobs_partials: bool = False,  # fc2_dgrad: return the dprobs partials
 ) -> Optional[Tensor]:
-    """One grouped-GEMM launch of the MLP: A @ B with B(n, k) = W[e, n, k] (fc1, fc2) or W[e, k, n]
-    (the dgrads), both operands quantized first under cfg.recipe. Returns the dprobs partials when
-    asked (``launch.launch_dprobs_reduce`` sums them), else None. FC2_DGRAD (bf16, fp8_block) and,
-    under fp8_block, FC2 and FC1_DGRAD run on the Gluon engine where it takes them (``_gluon_on``,
-    ``gluon.*_supports``); elsewhere, and for every other case, on the Triton kernel."""
+    """A @ B with B(n, k) = W[e, n, k] (fc1, fc2) or W[e, k, n] (the dgrads), on A as given and the
+    weight's operand under cfg.recipe. Returns the dprobs partials when asked
+    (``launch.launch_dprobs_reduce`` sums them), else None. The kernel is ``engine_kernel``'s choice:
+    a Gluon kernel where it takes the GEMM, else the Triton kernel."""
     params = tuple(cfg.activation_params) + (0.0,) * (3 - len(cfg.activation_params))
-    if kind == "fc2_dgrad" and cfg.recipe is None and _engine_fc2_dgrad(a, weight.w, h, out, z, cfg):
+    b_op = weight.forward() if kind in ("fc1", "fc2") else weight.dgrad()
+    engine = engine_kernel(kind, a_op, b_op, weight, out=out, bias=bias, h=h, z=z, cfg=cfg)
+    if engine == "fc2_dgrad":
         return gluon.fc2_dgrad(
-            a, weight.w, splits, h, out, z=z, probs=probs, dprobs_partials=dprobs_partials,
+            a_op.a, weight.w, splits, h, out, z=z, probs=probs, dprobs_partials=dprobs_partials,
             glu_interleave=cfg.glu_interleave, activation_id=cfg.activation.kernel_id, params=params,
         )  # fmt: skip
+    if engine == "fc2_dgrad_fp8":
+        return gluon.fc2_dgrad(
+            a_op.a, b_op.b.transpose(1, 2), splits, h, out, z=z, probs=probs, dprobs_partials=dprobs_partials,
+            glu_interleave=cfg.glu_interleave, activation_id=cfg.activation.kernel_id, params=params,
+            dy_scale=a_op.scales, w2_scale=_tile_scales(b_op, N, K),
+        )  # fmt: skip
+    if engine == "grouped_gemm_fp8":
+        gluon.grouped_gemm_fp8(a_op.a, a_op.scales, b_op.b, _tile_scales(b_op, N, K), splits, out,
+                               out_dtype=out.dtype)  # fmt: skip
+        return None
     emulated = cfg.recipe is not None and not is_native(cfg.recipe)
-    b_op = weight.forward() if kind in ("fc1", "fc2") else weight.dgrad()
-    a_op = act(a, cfg.recipe)
-    if is_native(cfg.recipe) and _gluon_on(a):
-        b_scale = _tile_scales(b_op, N, K)
-        if kind == "fc2_dgrad":
-            w2 = b_op.b.transpose(1, 2)  # W2's K-major codes (E, F, H) as the (E, H, F) weight they transpose
-            if not gluon.fc2_dgrad_fp8_supports(a_op.a, w2, h, cfg.activation.kernel_id, cfg.glu, (out, z)):
-                return gluon.fc2_dgrad(
-                    a_op.a, w2, splits, h, out, z=z, probs=probs, dprobs_partials=dprobs_partials,
-                    glu_interleave=cfg.glu_interleave, activation_id=cfg.activation.kernel_id, params=params,
-                    dy_scale=a_op.scales, w2_scale=b_scale,
-                )  # fmt: skip
-        elif kind in ("fc2", "fc1_dgrad") and bias is None and not gluon.fp8_supports(a_op.a, b_op.b, out):
-            gluon.grouped_gemm_fp8(a_op.a, a_op.scales, b_op.b, b_scale, splits, out, out_dtype=out.dtype)
-            return None
     return launch.launch_grouped_gemm(
         kind, a=a_op.a, b=b_op.b, b_strides=b_op.strides, splits=splits, out=out, N=N, K=K, N1=N1, cfg=cfg,
         emulated=emulated, probs=probs, bias=bias, scale_bias=kind == "fc2" and cfg.scale_fc2_bias, z=z, h=h,
         dprobs_partials=dprobs_partials, a_scales=a_op.scales, b_scales=b_op.scales,
         b_scale_strides=b_op.scale_strides, acc_factors=(a_op.factor, b_op.factor),
     )  # fmt: skip
+
+
+def engine_kernel(kind: str, a_op: ActOperand, b_op: WeightOperand, weight: Weight, *, out: Tensor,
+                  bias: Optional[Tensor], h: Optional[Tensor], z: Optional[Tensor], cfg) -> str:
+    """The Gluon kernel that runs this GEMM, "" for the Triton kernel: FC2_DGRAD with its fused
+    epilogue on bf16 ("fc2_dgrad") and on fp8_block's codes ("fc2_dgrad_fp8"), and fp8_block's FC2
+    without a bias and FC1_DGRAD ("grouped_gemm_fp8"), where ``_gluon_on`` and ``gluon.*_supports``
+    allow. The Triton kernels give the same bits (tests/kernels/test_gluon_*.py)."""
+    if not _gluon_on(a_op.a):
+        return ""
+    if cfg.recipe is None:
+        return "fc2_dgrad" if kind == "fc2_dgrad" and _engine_fc2_dgrad(a_op.a, weight.w, h, out, z, cfg) else ""
+    if not is_native(cfg.recipe):
+        return ""
+    if kind == "fc2_dgrad":
+        # W2's K-major codes (E, F, H) as the (E, H, F) weight they transpose
+        why = gluon.fc2_dgrad_fp8_supports(a_op.a, b_op.b.transpose(1, 2), h, cfg.activation.kernel_id, cfg.glu,
+                                           (out, z))  # fmt: skip
+        return "" if why else "fc2_dgrad_fp8"
+    if kind in ("fc2", "fc1_dgrad") and bias is None and not gluon.fp8_supports(a_op.a, b_op.b, out):
+        return "grouped_gemm_fp8"
+    return ""
 
 
 def _gluon_on(t: Tensor) -> bool:
