@@ -1,7 +1,8 @@
-"""fp8_block's FC1 on the Gluon engine (moemlp.kernels.gluon.fc1_fp8): an offline sm_90 compile on
-any machine (e4m3 wgmma of m64n128k32 over the gate and up halves, no serialized chain, registers,
-shared memory), the input checks, and on an H200 h and z against the Triton kernel's FP8 mode on the
-same operands (the same scaled 128-deep products and GLU formulas: the same bits)."""
+"""FC1 on the Gluon engine (moemlp.kernels.gluon.fc1), bf16 and fp8_block: an offline sm_90 compile
+on any machine (one wgmma chain over a tile's gate and up halves, no serialized chain, registers,
+shared memory), the input checks, and on an H200 h and z against the Triton kernel on the same
+operands (the same products, chained or scaled the same way, and the same GLU formulas: the same
+bits)."""
 
 from __future__ import annotations
 
@@ -17,18 +18,23 @@ from moemlp.kernels.gluon import _compat, _launch
 needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks: {_compat.missing()}")
 
 
-def _compile_sm90(G: int, act: int, probs: str, z: str, bias: bool):
+def _compile_sm90(G: int, act: int, probs: str, z: str, bias: bool, scaled: bool = True):
     from moemlp.kernels.gluon import _engine, _fc1
 
     gl = _compat.gl
-    BM, BN, BK = _launch.FP8_BM, _launch.BN, _launch.FP8_BK
+    BN = _launch.BN
+    if scaled:
+        BM, BK, stages, code, ty = _launch.FP8_BM, _launch.FP8_BK, _launch.FP8_STAGES, "fp8e4nv", gl.float8e4nv
+    else:
+        BM, BK, stages, code, ty = _launch.FC1_BM, _launch.BK, _launch.FC1_STAGES, "bf16", gl.bfloat16
 
     def desc(block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-        return f"tensordesc<fp8e4nv[{block[0]},{block[1]}],{layout!r}>"
+        layout = gl.NVMMASharedLayout.get_default_for(block, ty)
+        return f"tensordesc<{code}[{block[0]},{block[1]}],{layout!r}>"
 
-    constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=_launch.FP8_STAGES, GROUP_M=_launch.GROUP_M, E_BLOCK=128,
-                      CW=_launch.FC1_CW, G=G, ACT=act, HAS_BIAS=bias, HAS_PROBS=True, STORE_Z=True)  # fmt: skip
+    constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_M=_launch.GROUP_M, E_BLOCK=128, CW=_launch.FC1_CW,
+                      G=G, ACT=act, HAS_BIAS=bias, HAS_PROBS=True, STORE_Z=True, SCALED=scaled,
+                      A_PARTS=2 if scaled else 1)  # fmt: skip
     sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN // 2, BK]), "h_ptr": "*bf16", "z_ptr": f"*{z}",
            "bias_ptr": "*bf16", "probs_ptr": f"*{probs}", "a_scale_ptr": "*fp32", "stride_asm": "i32",
            "stride_ask": "i32", "b_scale_ptr": "*fp32", "stride_bse": "i32", "stride_bsn": "i32",
@@ -36,7 +42,7 @@ def _compile_sm90(G: int, act: int, probs: str, z: str, bias: bool):
            "p0": "fp32", "p1": "fp32", "p2": "fp32"}  # fmt: skip
     sig.update({name: "constexpr" for name in constexprs})
     divisible = ("h_ptr", "z_ptr", "bias_ptr", "probs_ptr", "splits_ptr", "N", "K", "N1")
-    return compile_gluon_sm90(_fc1.fc1_fp8_kernel, sig, constexprs, divisible, _engine.NUM_WARPS, _engine.MAXNREG)
+    return compile_gluon_sm90(_fc1.fc1_kernel, sig, constexprs, divisible, _engine.NUM_WARPS, _engine.MAXNREG)
 
 
 @needs_gluon
@@ -47,7 +53,7 @@ def _compile_sm90(G: int, act: int, probs: str, z: str, bias: bool):
         pytest.param(64, 1, "bf16", "bf16", True, id="clamped-G64-bias-bf16"),
     ],
 )
-def test_offline_sm90_compile(G, act, probs, z, bias):
+def test_offline_sm90_compile_fp8(G, act, probs, z, bias):
     sass, usage, shared = _compile_sm90(G, act, probs, z, bias)
     # One m64n128k32 chain a step covers the tile's gates and ups at once.
     check_fp8_consumers(sass, usage)
@@ -58,6 +64,33 @@ def test_offline_sm90_compile(G, act, probs, z, bias):
     assert _launch.FP8_STAGES * stage + 2 * _launch.FP8_BM * _launch.BN * 4 <= shared <= 227 * 1024, shared
 
 
+@needs_gluon
+@pytest.mark.parametrize(
+    "G, act, probs, bias",
+    [
+        pytest.param(768, 0, "fp32", False, id="swiglu-halves"),  # qwen3 / mixtral / deepseek
+        pytest.param(64, 1, "bf16", True, id="clamped-G64-bias-bf16probs"),
+    ],
+)
+def test_offline_sm90_compile_bf16(G, act, probs, bias):
+    sass, usage, shared = _compile_sm90(G, act, probs, "bf16", bias, scaled=False)
+    # Per consumer one unpromoted chain a tile: BK / 16 = 4 bf16 wgmma of m64n128k16 a step for each
+    # of the tile's two 64-row halves, one group in flight (a wait for one outstanding, and the last
+    # step's wait for none), nothing serialized.
+    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16", sass)) == 2 * 2 * (_launch.BK // 16)
+    assert not re.search(r"QGMMA", sass)
+    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)) == 2
+    assert len(re.findall(r"\bUTMALDG\.2D\b", sass)) == 3  # the A block, the gate and the up half of B
+    assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", sass)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    assert regs <= 168, usage
+    assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
+    # 3 stages × (128 + 128) × 64 × 2 B + 2 fp32 epilogue tiles of 128 × 128, within sm_90's 227 KiB
+    stage = (_launch.FC1_BM + _launch.BN) * _launch.BK * 2
+    assert _launch.FC1_STAGES * stage + 2 * _launch.FC1_BM * _launch.BN * 4 <= shared <= 227 * 1024, shared
+
+
 def _codes(*shape):
     return torch.zeros(*shape).to(torch.float8_e4m3fn)
 
@@ -66,8 +99,8 @@ def _codes(*shape):
     "change, words",
     [
         pytest.param(dict(activation_id=3), "swiglu and clamped_swiglu", id="geglu"),
-        pytest.param(dict(x=torch.zeros(64, 256, dtype=torch.bfloat16)), "e4m3 codes", id="bf16-x"),
-        pytest.param(dict(w1=_codes(2, 256, 200)), "multiple of 16", id="odd-H"),
+        pytest.param(dict(x=torch.zeros(64, 256, dtype=torch.bfloat16)), "both bf16 or both e4m3", id="mixed"),
+        pytest.param(dict(x=_codes(64, 200), w1=_codes(2, 256, 200)), "16-byte rows", id="odd-H"),
         pytest.param(dict(glu_interleave=32), "multiple of 64", id="G32"),
         pytest.param(dict(glu_interleave=192), "dividing F", id="G-not-dividing-F"),
         pytest.param(dict(z=torch.zeros(64, 128, dtype=torch.float16)), "bf16 or fp32", id="fp16-z"),
@@ -75,23 +108,30 @@ def _codes(*shape):
     ],
 )
 def test_supports_names_what_it_cannot_take(change, words):
-    from moemlp.kernels.gluon import fc1_fp8_supports
+    from moemlp.kernels.gluon import fc1_supports
 
     args = dict(x=_codes(64, 256), w1=_codes(2, 256, 256), h=torch.zeros(64, 256, dtype=torch.bfloat16),
                 z=torch.zeros(64, 128), activation_id=0, glu=True, glu_interleave=128)  # fmt: skip
     args.update(change)
-    reason = fc1_fp8_supports(**args)
+    reason = fc1_supports(**args)
     assert words in reason, reason
 
 
-def test_scale_shapes_are_checked():
-    from moemlp.kernels.gluon import fc1_fp8
+@pytest.mark.parametrize(
+    "scales, words",
+    [
+        pytest.param((torch.ones(64, 2), torch.ones(2, 1, 2)), r"w1_scale \(2, 2, 2\)", id="shape"),
+        pytest.param((torch.ones(64, 2), None), "come together", id="one-of-two"),
+    ],
+)
+def test_scales_are_checked(scales, words):
+    from moemlp.kernels.gluon import fc1
 
     x, w1 = _codes(64, 256), _codes(2, 256, 256)
-    with pytest.raises(ValueError, match=r"w1_scale \(2, 2, 2\)"):
-        fc1_fp8(x, torch.ones(64, 2), w1, torch.ones(2, 1, 2), torch.zeros(2, dtype=torch.int32),
-                torch.zeros(64, 256, dtype=torch.bfloat16), z=None, bias=None, probs=None, glu_interleave=128,
-                activation_id=0, params=(0.0, 0.0, 0.0))  # fmt: skip
+    with pytest.raises(ValueError, match=words):
+        fc1(x, w1, torch.zeros(2, dtype=torch.int32), torch.zeros(64, 256, dtype=torch.bfloat16), z=None, bias=None,
+            probs=None, glu_interleave=128, activation_id=0, params=(0.0, 0.0, 0.0), x_scale=scales[0],
+            w1_scale=scales[1])  # fmt: skip
 
 
 # (splits, M, H, F, G, activation, params, bias, probs dtype, z dtype): one comment each
@@ -109,12 +149,13 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8_block"])
 @pytest.mark.parametrize("splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype", GPU_CASES)
-def test_gpu_matches_the_triton_kernel(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype):
+def test_gpu_matches_the_triton_kernel(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, fp8):
     from moemlp._config import MLPConfig
     from moemlp.kernels import operands
     from moemlp.kernels.gemm import launch
-    from moemlp.kernels.gluon import fc1_fp8, fc1_fp8_supports, why_unavailable
+    from moemlp.kernels.gluon import fc1, fc1_supports, why_unavailable
     from moemlp.recipes import recipe
 
     if why_unavailable():
@@ -123,7 +164,7 @@ def test_gpu_matches_the_triton_kernel(splits_list, M, H, F, G, activation, para
     dev = "cuda"
     E, G = len(splits_list), G or F
     spec = ACTIVATIONS[activation]
-    r = recipe("fp8_block")
+    r = recipe("fp8_block") if fp8 else None
     x = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
     w1 = (torch.randn(E, 2 * F, H, device=dev) * H**-0.5).to(torch.bfloat16)
     b1 = torch.randn(E, 2 * F, device=dev, dtype=torch.bfloat16) if bias else None
@@ -133,9 +174,10 @@ def test_gpu_matches_the_triton_kernel(splits_list, M, H, F, G, activation, para
     pp = tuple(params) + (0.0,) * (3 - len(params))
     h = torch.full((M, 2 * F), float("nan"), device=dev, dtype=torch.bfloat16)
     z = torch.full((M, F), float("nan"), device=dev, dtype=z_dtype)
-    assert fc1_fp8_supports(a_op.a, b_op.b, h, z, spec.kernel_id, True, G) == ""
-    fc1_fp8(a_op.a, a_op.scales, b_op.b, operands._tile_scales(b_op, 2 * F, H), splits, h, z=z, bias=b1, probs=probs,
-            glu_interleave=G, activation_id=spec.kernel_id, params=pp)  # fmt: skip
+    assert fc1_supports(a_op.a, b_op.b, h, z, spec.kernel_id, True, G) == ""
+    scales = dict(x_scale=a_op.scales, w1_scale=operands._tile_scales(b_op, 2 * F, H)) if fp8 else {}
+    fc1(a_op.a, b_op.b, splits, h, z=z, bias=b1, probs=probs, glu_interleave=G, activation_id=spec.kernel_id,
+        params=pp, **scales)  # fmt: skip
     h_t, z_t = torch.empty_like(h), torch.empty_like(z)
     launch.launch_grouped_gemm(
         "fc1", a=a_op.a, b=b_op.b, b_strides=b_op.strides, splits=splits, out=h_t, N=F, K=H, N1=2 * F,

@@ -1,19 +1,23 @@
-"""fp8_block's FC1 on the warp-specialized engine: h = x[R_e] @ W1[e]ᵀ with the GLU epilogue.
+"""FC1 on the warp-specialized engine: h = x[R_e] @ W1[e]ᵀ with the GLU epilogue, bf16 or fp8_block.
 
-    h    = Σ_k scaled 128-deep products (+ b1)   fp32, rounded once to h's dtype (gate and up columns)
-    z    = act(gate, up) · p                      from the fp32 h, rounded once to z's dtype
+    h    = x @ W1[e]ᵀ (+ b1)          fp32, rounded once to h's dtype (gate and up columns)
+    z    = act(gate, up) · p          from the fp32 h, rounded once to z's dtype
 
-x and W1 are e4m3 codes with their 1×128 and 128×128 scales (_engine._mainloop_scaled); the GLU kinds
-swiglu (0) and clamped_swiglu (1) from _glu.py, operation for operation as the Triton kernel's
-epilogue (kernels/gemm/epilogue.py, FC1).
+The GLU kinds swiglu (0) and clamped_swiglu (1) from _glu.py, operation for operation as the Triton
+kernel's epilogue (kernels/gemm/epilogue.py, FC1).
 
-The partitions are the engine's: the TMA producer, and two consumer warpgroups on the two 64-row
-halves of 128-row tiles (cooperative, A_PARTS = 2), so that one consumer's promotion overlaps the
-other's wgmma. A tile is 64 output columns f of z: its B block is W1's 64 gate rows of those columns
-and their 64 up rows (``_engine._glu_rows``: h interleaves gate and up in blocks of G columns, G a
-multiple of 64), loaded by two TMA copies into the halves of one 128-row stage (B_PARTS = 2), so each
-step is one m64n128k32 chain whose first 64 accumulator columns are the gates and the rest their ups.
-The two halves' weight scales come from two 128×128 tiles, one scale a column.
+A tile is 64 output columns f of z: its B block is W1's 64 gate rows of those columns and their 64 up
+rows (``_engine._glu_rows``: h interleaves gate and up in blocks of G columns, G a multiple of 64),
+loaded by two TMA copies into the halves of one 128-row stage (B_PARTS = 2), so each step is one
+m64n128 chain whose first 64 accumulator columns are the gates and the rest their ups. The partitions
+are the engine's TMA producer and two consumer warpgroups:
+
+* bf16 (SCALED off): 128-row tiles in ping-pong, each consumer's K loop one chain into its 128×128
+  accumulator (as the Triton kernel's, unpromoted), while the other consumer's epilogue (h and z
+  stored: 1.5× the bytes the tile's MMAs read of x) runs beside it;
+* fp8_block (SCALED): e4m3 codes with their 1×128 and 128×128 scales (_engine._mainloop_scaled) on
+  the two 64-row halves of 128-row tiles (cooperative), so that one consumer's promotion overlaps
+  the other's wgmma; the two halves' weight scales come from two 128×128 tiles, one scale a column.
 
 Epilogue: the accumulator goes to the warpgroup's fp32 shared tile and is read back in chunks of CW
 columns of gate and of up at once, in a blocked layout (8 consecutive columns a thread), so h's and
@@ -123,28 +127,33 @@ def _consumer(a_desc, b_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, st
               ready, empty, turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
               STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, CW: gl.constexpr,
               G: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PROBS: gl.constexpr,
-              STORE_Z: gl.constexpr):
+              STORE_Z: gl.constexpr, SCALED: gl.constexpr, A_PARTS: gl.constexpr):
+    # fp8_block: cooperative tiles (A_PARTS = 2) and the scaled mainloop, whose promotion the engine
+    # counts as PROMOTE = 1; bf16: ping-pong (A_PARTS = 1), one unpromoted chain a tile.
+    PROMOTE: gl.constexpr = A_PARTS - 1
     _tile_loop(_fc1_epilogue, _fc1_capacity,
                (g_tiles, h_ptr, z_ptr, bias_ptr, probs_ptr, M, N, N1, p0, p1, p2, BM, BN, CW, G, ACT, HAS_BIAS,
                 HAS_PROBS, STORE_Z),
                a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK,
-               True, 1, 2, True,
+               True, PROMOTE, A_PARTS, SCALED,
                (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk),
                2, G)  # fmt: skip
 
 
 @gluon.jit
-def fc1_fp8_kernel(
-    a_desc,  # x's e4m3 codes (M, H), rows grouped by expert; block [BM, BK]
-    b_desc,  # W1's e4m3 codes (E·N1, H), K-major; block [BN / 2, BK] (a gate or an up half of a stage)
+def fc1_kernel(
+    a_desc,  # x (M, H) bf16 or its e4m3 codes (SCALED), rows grouped by expert; block [BM, BK]
+    b_desc,  # W1 (E·N1, H) bf16 or its e4m3 codes, K-major; block [BN / 2, BK] (a gate or an up half of a stage)
     h_ptr,  # (M, N1) bf16, written
     z_ptr,  # (M, F) bf16 or fp32, written (STORE_Z)
     bias_ptr,  # (E, N1) fc1_bias (HAS_BIAS)
     probs_ptr,  # (M,) fp32 / bf16 / fp16 (HAS_PROBS)
-    a_scale_ptr,  # (M, ⌈H/128⌉) fp32 1×128 scales of x's codes: row m's of K block kb at m·stride_asm + kb·stride_ask
+    # SCALED: (M, ⌈H/128⌉) fp32 1×128 scales of x's codes, row m's of K block kb at m·stride_asm + kb·stride_ask
+    a_scale_ptr,
     stride_asm,
     stride_ask,
-    b_scale_ptr,  # W1's 128×128 tile scales: tile (n//128, k//128) of e at e·stride_bse + ·stride_bsn + ·stride_bsk
+    # SCALED: W1's 128×128 tile scales, tile (n//128, k//128) of e at e·stride_bse + ·stride_bsn + ·stride_bsk
+    b_scale_ptr,
     stride_bse,
     stride_bsn,
     stride_bsk,
@@ -157,7 +166,7 @@ def fc1_fp8_kernel(
     p0,
     p1,
     p2,
-    BM: gl.constexpr,  # a consumer's rows: tiles are 2·BM rows (cooperative)
+    BM: gl.constexpr,  # a consumer's rows: a tile's (ping-pong), half a tile's (cooperative)
     BN: gl.constexpr,  # gate and up columns of a tile: BN / 2 output columns
     BK: gl.constexpr,
     STAGES: gl.constexpr,
@@ -169,8 +178,11 @@ def fc1_fp8_kernel(
     HAS_BIAS: gl.constexpr,
     HAS_PROBS: gl.constexpr,
     STORE_Z: gl.constexpr,
+    SCALED: gl.constexpr,  # fp8_block's codes and scales
+    A_PARTS: gl.constexpr,  # 2: cooperative 2·BM-row tiles (SCALED); 1: ping-pong BM-row tiles (bf16)
 ):
-    a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, True, 2)
+    gl.static_assert(A_PARTS == 1 + SCALED, "fp8_block on cooperative tiles, bf16 in ping-pong")
+    a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, True, A_PARTS)
     g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
     g_tiles = gl.allocate_shared_memory(gl.float32, [2, BM, BN], g_layout)
     # The argument tuples are written out in the call: a tuple bound to a name first would turn its
@@ -179,11 +191,11 @@ def fc1_fp8_kernel(
         (_consumer, (a_desc, b_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, stride_asm, stride_ask,
                      b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring,
                      b_ring, g_tiles, ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, CW, G, ACT,
-                     HAS_BIAS, HAS_PROBS, STORE_Z)),
+                     HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS)),
         (_consumer, (a_desc, b_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, stride_asm, stride_ask,
                      b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring,
                      b_ring, g_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, CW, G, ACT,
-                     HAS_BIAS, HAS_PROBS, STORE_Z)),
+                     HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
-                     GROUP_M, E_BLOCK, True, 2, 2, G, N1)),
+                     GROUP_M, E_BLOCK, True, A_PARTS, 2, G, N1)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -30,9 +30,12 @@ MAX_EXPERTS = 256
 # scale block each), 4 stages of (128 + 128) × 128 codes = 32 KiB: 128 KiB of ring + 2 epilogue tiles
 # of 64 × 128 (bf16 16 KiB each, fp32 32 KiB).
 FP8_BM, FP8_BK, FP8_STAGES = 64, 128, 4
-# fp8_block's FC1 (_fc1.py) on the same tiles: 64 output columns a tile (its 64 gates and 64 ups make
-# the 128-column accumulator), the epilogue reading CW columns of gate and of up at once.
+# FC1 (_fc1.py): 64 output columns a tile (its 64 gates and 64 ups make the 128-column accumulator),
+# the epilogue reading CW columns of gate and of up at once. fp8_block on the FP8 tiles above; bf16 on
+# 128-row ping-pong tiles, whose fp32 epilogue tiles (2 × 64 KiB) leave room for 3 stages of
+# (128 + 128) × 64 × 2 B = 32 KiB: 224 KiB of the 227.
 FC1_CW = 32
+FC1_BM, FC1_STAGES = 128, 3
 
 
 @functools.cache
@@ -484,23 +487,23 @@ def grouped_gemm_fp8(
     return out
 
 
-def fc1_fp8_supports(x: torch.Tensor, w1: torch.Tensor, h: torch.Tensor, z: torch.Tensor | None, activation_id: int,
-                     glu: bool, glu_interleave: int) -> str:
-    """Why fp8_block's FC1 on the engine cannot take these operands ("" when it can): x (M, H) and w1
-    (E, N1, H) e4m3 codes, contiguous and 16-byte aligned, H a positive multiple of 16, N1 = 2F with
-    gate / up blocks of G = ``glu_interleave`` columns, G a multiple of 64 (a tile's 64 gates in one
-    block); h (M, N1) bf16 and z (M, F) bf16 or fp32 (or None), contiguous (no device read)."""
+def fc1_supports(x: torch.Tensor, w1: torch.Tensor, h: torch.Tensor, z: torch.Tensor | None, activation_id: int,
+                 glu: bool, glu_interleave: int) -> str:
+    """Why FC1 on the engine cannot take these operands ("" when it can): x (M, H) and w1 (E, N1, H)
+    both bf16 or both e4m3 codes (fp8_block), contiguous and 16-byte aligned, H positive with 16-byte
+    rows, N1 = 2F with gate / up blocks of G = ``glu_interleave`` columns, G a multiple of 64 (a
+    tile's 64 gates in one block); h (M, N1) bf16 and z (M, F) bf16 or fp32 (or None), contiguous
+    (no device read)."""
     if not glu or activation_id not in DGRAD_ACTIVATIONS:
         return "the fused epilogue implements swiglu and clamped_swiglu"
-    fp8 = torch.float8_e4m3fn
-    if x.dtype != fp8 or w1.dtype != fp8 or w1.dim() != 3:
-        return "e4m3 codes of x and W1 (E, N1, H) only"
+    if x.dtype not in (torch.bfloat16, torch.float8_e4m3fn) or w1.dtype != x.dtype or w1.dim() != 3:
+        return "x and W1 (E, N1, H) both bf16 or both e4m3 codes only"
     E, N1, H = w1.shape
     G = glu_interleave
     if E == 0 or E > MAX_EXPERTS:
         return f"1 to {MAX_EXPERTS} experts"
-    if H == 0 or H % 16:
-        return "H not a positive multiple of 16 (TMA's 16-byte rows of codes)"
+    if H == 0 or (H * x.element_size()) % 16:
+        return "H not positive with 16-byte rows (TMA)"
     if N1 % 2 or G <= 0 or G % (BN // 2) or (N1 // 2) % G:
         return f"gate / up blocks of G columns, G a multiple of {BN // 2} dividing F"
     if not (x.is_contiguous() and w1.is_contiguous()) or x.data_ptr() % 16 or w1.data_ptr() % 16:
@@ -514,11 +517,9 @@ def fc1_fp8_supports(x: torch.Tensor, w1: torch.Tensor, h: torch.Tensor, z: torc
     return _device_reason(_index(x.device))
 
 
-def fc1_fp8(
-    x: torch.Tensor,  # (M, H) e4m3 codes, rows grouped by expert
-    x_scale: torch.Tensor,  # (M, ⌈H/128⌉) fp32, any strides
-    w1: torch.Tensor,  # (E, N1, H) e4m3 codes
-    w1_scale: torch.Tensor,  # (E, ⌈N1/128⌉, ⌈H/128⌉) fp32 tile scales, any strides
+def fc1(
+    x: torch.Tensor,  # (M, H) bf16 or e4m3 codes, rows grouped by expert
+    w1: torch.Tensor,  # (E, N1, H) bf16 or e4m3 codes
     splits: torch.Tensor,  # (E,) int32 / int64 on the device
     h: torch.Tensor,  # (M, N1) bf16, written
     *,
@@ -528,38 +529,52 @@ def fc1_fp8(
     glu_interleave: int,
     activation_id: int,
     params: tuple[float, float, float],
+    x_scale: torch.Tensor | None = None,  # fp8_block: (M, ⌈H/128⌉) fp32, any strides
+    w1_scale: torch.Tensor | None = None,  # fp8_block: (E, ⌈N1/128⌉, ⌈H/128⌉) fp32 tile scales, any strides
 ) -> None:
-    """fp8_block's FC1 on the engine: h = dequant(x)[R_e] @ dequant(W1[e])ᵀ (+ b1) in fp32 from the
-    scaled 128-deep products, rounded once to bf16, and z = act(gate, up)·p from the fp32 h; capacity
-    rows get zeros. The caller checked ``fc1_fp8_supports``; the scales' shapes are checked here."""
+    """FC1 on the engine: h = x[R_e] @ W1[e]ᵀ (+ b1) in fp32, rounded once to bf16, and z =
+    act(gate, up)·p from the fp32 h; capacity rows get zeros. bf16 operands on 128-row ping-pong
+    tiles, one unpromoted chain a tile (the Triton kernel's arithmetic); fp8_block's codes (the
+    scales given) on cooperative tiles, each 128-deep product scaled into h. The caller checked
+    ``fc1_supports``; the scales' shapes are checked here."""
     from ._compat import TensorDescriptor
     from ._engine import MAXNREG, NUM_WARPS
-    from ._fc1 import fc1_fp8_kernel
+    from ._fc1 import fc1_kernel
 
+    scaled = x_scale is not None
+    if scaled != (w1_scale is not None):
+        raise ValueError("fc1: x_scale and w1_scale come together (fp8_block) or not at all")
     M, H = x.shape
     E, N1, _ = w1.shape
     F = N1 // 2
-    kb, nb = -(-H // FP8_BK), -(-N1 // BN)
-    if tuple(x_scale.shape) != (M, kb) or tuple(w1_scale.shape) != (E, nb, kb):
-        raise ValueError(f"fc1_fp8: x_scale must be ({M}, {kb}) and w1_scale ({E}, {nb}, {kb}), got "
-                         f"{tuple(x_scale.shape)} and {tuple(w1_scale.shape)}")  # fmt: skip
+    if scaled:
+        kb, nb = -(-H // FP8_BK), -(-N1 // BN)
+        if tuple(x_scale.shape) != (M, kb) or tuple(w1_scale.shape) != (E, nb, kb):
+            raise ValueError(f"fc1: x_scale must be ({M}, {kb}) and w1_scale ({E}, {nb}, {kb}), got "
+                             f"{tuple(x_scale.shape)} and {tuple(w1_scale.shape)}")  # fmt: skip
     if bias is not None and (tuple(bias.shape) != (E, N1) or not bias.is_contiguous()):
-        raise ValueError(f"fc1_fp8: bias must be a contiguous ({E}, {N1}), got {tuple(bias.shape)}")
+        raise ValueError(f"fc1: bias must be a contiguous ({E}, {N1}), got {tuple(bias.shape)}")
     if M == 0 or F == 0:
         return
+    bm, bk, stages, a_parts = (FP8_BM, FP8_BK, FP8_STAGES, 2) if scaled else (FC1_BM, BK, FC1_STAGES, 1)
+    layout = _fp8_smem_layout if scaled else _smem_layout
     bind_context(x.device)
-    a_desc = TensorDescriptor.from_tensor(x, [FP8_BM, FP8_BK], _fp8_smem_layout((FP8_BM, FP8_BK)))
-    b_desc = TensorDescriptor.from_tensor(w1.view(E * N1, H), [BN // 2, FP8_BK], _fp8_smem_layout((BN // 2, FP8_BK)))
+    a_desc = TensorDescriptor.from_tensor(x, [bm, bk], layout((bm, bk)))
+    b_desc = TensorDescriptor.from_tensor(w1.view(E * N1, H), [BN // 2, bk], layout((BN // 2, bk)))
+    if scaled:
+        scale_args = (x_scale, x_scale.stride(0), x_scale.stride(1), w1_scale, *w1_scale.stride())
+    else:
+        scale_args = (x, 0, 0, x, 0, 0, 0)  # never read: SCALED is off
     e_block = max(32, 1 << (E - 1).bit_length())
-    tile_bound = (-(-M // (2 * FP8_BM)) + E) * -(-F // (BN // 2))
+    tile_bound = (-(-M // (bm * a_parts)) + E) * -(-F // (BN // 2))
     grid = (min(_num_sms(_index(x.device)), tile_bound),)
     dummy = h  # never dereferenced: the constexpr flags switch its loads and stores off
     with torch.cuda.device(x.device):
-        fc1_fp8_kernel[grid](
+        fc1_kernel[grid](
             a_desc, b_desc, h, z if z is not None else dummy, bias if bias is not None else dummy,
-            probs if probs is not None else dummy, x_scale, x_scale.stride(0), x_scale.stride(1), w1_scale,
-            *w1_scale.stride(), splits, E, M, F, H, N1, float(params[0]), float(params[1]), float(params[2]),
-            BM=FP8_BM, BN=BN, BK=FP8_BK, STAGES=FP8_STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block, CW=FC1_CW,
-            G=glu_interleave, ACT=activation_id, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None,
-            STORE_Z=z is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+            probs if probs is not None else dummy, *scale_args, splits, E, M, F, H, N1,
+            float(params[0]), float(params[1]), float(params[2]),
+            BM=bm, BN=BN, BK=bk, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, CW=FC1_CW, G=glu_interleave,
+            ACT=activation_id, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, STORE_Z=z is not None,
+            SCALED=scaled, A_PARTS=a_parts, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
