@@ -244,15 +244,20 @@ def _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl
 @gluon.jit
 def _mainloop_scaled(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexpr, BM: gl.constexpr,
                      BN: gl.constexpr, STAGES: gl.constexpr, A_PARTS: gl.constexpr, PART: gl.constexpr, a_s_ptrs,
-                     row_ok, stride_ask, b_s_ptr, stride_bsk, B_COLS: gl.constexpr):
+                     row_ok, stride_ask, b_s_ptr, stride_bsk, B_COLS: gl.constexpr, b_s_off):
     """The FP8 blockwise K loop (SPEC §3, fp8_block), BK = 128 = one scale block: each step's product
     is a fresh chain of m64n128k32 e4m3 wgmma, waited for and added to the fp32 total scaled by its
     rows' A scales times the tile's B scale, ``total += part · (a_s · b_s)`` as the Triton kernel
     writes it (kernels/gemm/grouped.py, ``_fp8_product``). The step's scales are loaded while its
     wgmma run. B is K-major (fp8 wgmma reads no transposed operand). ``a_s_ptrs``: this consumer's
     rows' scale pointers at K block 0; ``b_s_ptr``: the tile's B scale at K block 0, or with B_COLS
-    one pointer a column (FC1's gate and up halves come from two weight tiles), each product then
-    scaled by a_s · b_s element by element: the same fp32 products as a scalar b_s gives."""
+    one scale a column at b_s_ptr + ``b_s_off`` (int32 offsets, every one in bounds: a column past
+    the operand's edge reads some column's scale, multiplies the zeros TMA filled in, and is never
+    stored; FC1's gate and up halves come from two weight tiles, the weight gradients' X scales are
+    per column), each product then scaled by a_s · b_s element by element: the same fp32 products as
+    a scalar b_s gives. The step's offset is added to the scalar base before the column offsets, so
+    no 64-bit pointer a column stays live across the loop, and the load takes no mask (either
+    spilled the weight-gradient kernel's consumers)."""
     total = gl.zeros([BM, BN], gl.float32, acc_layout)
     part = gl.zeros([BM, BN], gl.float32, acc_layout)
     for kk in range(k_steps):
@@ -261,7 +266,10 @@ def _mainloop_scaled(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.c
         pending = warpgroup_mma(a_ring.index(s * A_PARTS + PART), b_ring.index(s).permute((1, 0)), part,
                                 use_acc=False, is_async=True)
         a_s = gl.load(a_s_ptrs + kk * stride_ask, mask=row_ok, other=0.0)
-        b_s = gl.load(b_s_ptr + kk * stride_bsk)
+        if B_COLS:
+            b_s = gl.load((b_s_ptr + kk * stride_bsk) + b_s_off)
+        else:
+            b_s = gl.load(b_s_ptr + kk * stride_bsk)
         part = warpgroup_mma_wait(0, deps=(pending,))
         mbarrier.arrive(empty.index(s))
         if B_COLS:
@@ -362,15 +370,16 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
                 rows = m0 + row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
                 a_s_ptrs = scale_args[0] + rows.to(gl.int64) * scale_args[1]
                 b_s_ptr = scale_args[3] + e.to(gl.int64) * scale_args[4]
+                cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
                 if B_PARTS == 2:  # each half's 128-row weight tile: the gates', then the ups'
-                    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
                     w_rows = _glu_rows(n0, G) + gl.where(cols < TILE_N, 0, G)
-                    b_s_ptr = b_s_ptr + (w_rows // 128) * scale_args[5]
+                    b_s_off = (w_rows // 128) * scale_args[5]
                 else:
                     b_s_ptr = b_s_ptr + (n0 // BN) * scale_args[5]
+                    b_s_off = 0
                 acc, it = _mainloop_scaled(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM, BN,
                                            STAGES, A_PARTS, part, a_s_ptrs, rows < M, scale_args[2], b_s_ptr,
-                                           scale_args[6], B_PARTS == 2)
+                                           scale_args[6], B_PARTS == 2, b_s_off)
                 if not COOP:
                     mbarrier.arrive(turn.index(1 - WG))
             elif PROMOTE > 0:

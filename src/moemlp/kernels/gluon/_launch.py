@@ -578,3 +578,73 @@ def fc1(
             ACT=activation_id, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, STORE_Z=z is not None,
             SCALED=scaled, A_PARTS=a_parts, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
+
+
+# fp8_block's weight gradients (_wgrad.py): the FP8 tiles above, 128 rows of N (two consumers' halves)
+# × 128 columns of K, GROUP_N n-tiles sharing each Xᵀ k-tile.
+WGRAD_GROUP_N = 8
+
+
+def fp8_wgrad_supports(g_t: torch.Tensor, x_t: torch.Tensor, out_dtype: torch.dtype) -> str:
+    """Why fp8_block's weight gradient on the engine cannot take these operands ("" when it can): the
+    transposed codes Gᵀ (N, P) and Xᵀ (K, P) (``quantize_wgrad(..., transposed=True)``'s), contiguous
+    and 16-byte aligned, and dW (E, N, K) in bf16 or fp32 with 16-byte rows (no device read)."""
+    fp8 = torch.float8_e4m3fn
+    if g_t.dtype != fp8 or x_t.dtype != fp8 or g_t.dim() != 2 or x_t.dim() != 2:
+        return "2-D e4m3 codes only"
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        return "dW in bf16 or fp32 only"
+    K = x_t.shape[0]
+    if (K * (2 if out_dtype == torch.bfloat16 else 4)) % 16:
+        return "dW's rows not 16-byte multiples (TMA)"
+    if not (g_t.is_contiguous() and x_t.is_contiguous()) or g_t.data_ptr() % 16 or x_t.data_ptr() % 16:
+        return "codes not contiguous and 16-byte aligned"
+    if g_t.device.type != "cuda":
+        return "not a CUDA tensor"
+    return _device_reason(_index(g_t.device))
+
+
+def fp8_wgrad(
+    g_t: torch.Tensor,  # (N, P) e4m3 codes of Gᵀ
+    g_scales: torch.Tensor,  # (P/128, N) fp32
+    x_t: torch.Tensor,  # (K, P) e4m3 codes of Xᵀ
+    x_scales: torch.Tensor,  # (P/128, K) fp32
+    splits: torch.Tensor,  # (E,) int32 / int64, the splits the operands were quantized with
+    T: int,  # source rows of both operands
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """dW (E, N, K) in ``out_dtype``: dW[e] = dequant(G)[R_e]ᵀ @ dequant(X)[R_e], zeros for an expert
+    with no rows, as ``kernels.gemm.launch.fp8_grouped_wgrad`` computes it (the same bits), on the
+    engine. The caller checked ``fp8_wgrad_supports``; the shapes are checked here."""
+    from ._compat import TensorDescriptor
+    from ._engine import MAXNREG, NUM_WARPS
+    from ._wgrad import fp8_wgrad_kernel
+
+    (N, P), K, E = g_t.shape, x_t.shape[0], splits.shape[0]
+    if x_t.shape[1] != P or P % FP8_BK or P != (-(-T // FP8_BK) + E) * FP8_BK:
+        raise ValueError(f"fp8_wgrad: Gᵀ and Xᵀ must have P = (⌈T/128⌉ + E)·128 rows for T = {T}, E = {E}, got "
+                         f"{tuple(g_t.shape)} and {tuple(x_t.shape)}")  # fmt: skip
+    if tuple(g_scales.shape) != (P // FP8_BK, N) or tuple(x_scales.shape) != (P // FP8_BK, K):
+        raise ValueError(f"fp8_wgrad: the scales must be ({P // FP8_BK}, {N}) and ({P // FP8_BK}, {K}), got "
+                         f"{tuple(g_scales.shape)} and {tuple(x_scales.shape)}")  # fmt: skip
+    if E > MAX_EXPERTS:
+        raise ValueError(f"fp8_wgrad: at most {MAX_EXPERTS} experts (the table is held in registers), got {E}")
+    out = torch.empty((E, N, K), dtype=out_dtype, device=g_t.device)
+    if out.numel() == 0:
+        return out
+    bind_context(g_t.device)
+    g_desc = TensorDescriptor.from_tensor(g_t, [FP8_BM, FP8_BK], _fp8_smem_layout((FP8_BM, FP8_BK)))
+    x_desc = TensorDescriptor.from_tensor(x_t, [BN, FP8_BK], _fp8_smem_layout((BN, FP8_BK)))
+    c2d = out.view(E * N, K)
+    c_desc = TensorDescriptor.from_tensor(c2d, [FP8_BM, BN], _smem_layout((FP8_BM, BN), out_dtype == torch.float32))
+    e_block = max(32, 1 << (E - 1).bit_length())
+    tiles = E * -(-N // (2 * FP8_BM)) * -(-K // BN)
+    grid = (min(_num_sms(_index(g_t.device)), tiles),)
+    with torch.cuda.device(g_t.device):
+        fp8_wgrad_kernel[grid](
+            g_desc, x_desc, c_desc, c2d, g_scales, g_scales.stride(0), g_scales.stride(1), x_scales,
+            x_scales.stride(0), x_scales.stride(1), splits, E, T, N, K,
+            BM=FP8_BM, BN=BN, STAGES=FP8_STAGES, GROUP_N=WGRAD_GROUP_N, E_BLOCK=e_block,
+            num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        )  # fmt: skip
+    return out
