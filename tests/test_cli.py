@@ -121,7 +121,8 @@ def test_bench_parts_fp8_gpu(tmp_path, capsys):
     from moemlp.bench.parts import FP8_PARTS
     from moemlp.kernels.gluon import why_unavailable
 
-    assert main(["bench", "--parts", "--recipes", "--shape", "cpu-small", "--out", str(tmp_path), "--rep-ms", "10"]) == 0
+    args = ["bench", "--parts", "--recipes", "--shape", "cpu-small", "--out", str(tmp_path), "--rep-ms", "10"]
+    assert main(args) == 0
     rows = list(csv.DictReader(open(tmp_path / "parts_fp8.csv")))
     assert [(r["part"], r["kind"]) for r in rows] == list(FP8_PARTS)
     kernels = {r["part"]: r["kernel"] for r in rows if r["kind"] == "gemm"}

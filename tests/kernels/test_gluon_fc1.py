@@ -137,7 +137,7 @@ def test_scales_are_checked(scales, words):
 # (splits, M, H, F, G, activation, params, bias, probs dtype, z dtype): one comment each
 GPU_CASES = [
     pytest.param([700, 0, 512, 1300, 33, 900, 400, 251], 4163, 1024, 1408, None, "swiglu", (), False, torch.float32,
-                 torch.float32, id="mixtral-like"),  # gate / up halves, 64 capacity rows, z in fp32 as the MLP stores it under a recipe
+                 torch.float32, id="mixtral-like"),  # gate / up halves, 64 capacity rows, z fp32 (a recipe's)
     pytest.param([300, 0, 257, 129, 1, 500, 220], 1507, 2880 + 48, 384, 64, "clamped_swiglu", (7.0, 1.702, 1.0), True,
                  torch.bfloat16, torch.bfloat16, id="G64-bias-odd-H"),  # H ends in a partial 128-block
     pytest.param([1000], 1000, 256, 128, 128, "swiglu", (), True, torch.float32, torch.float32, id="one-expert"),

@@ -165,9 +165,7 @@ def run_fp8_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int)
     bf16 torch.mm of the same FLOPs) and the quantizer passes (their GB/s: bytes read and written).
     The weights' passes run once per step under ``quantize_weights`` (the ``_wcache`` columns of
     ``bench --recipes``), else in every forward. Prints one table; writes ``parts_fp8.csv``."""
-    from ..kernels import is_available, operands, unavailable_reason
-    from ..kernels.gemm import launch as launch_mod
-    from ..kernels.quant import api as kq
+    from ..kernels import is_available, unavailable_reason
     from ..recipes import recipe as make_recipe
 
     if not is_available(device):
@@ -178,119 +176,131 @@ def run_fp8_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int)
     print(f"bench --parts --recipes (fp8_block) on {device_description(device)}", flush=True)
     rows = []
     for shape in shapes:
-        x, splits, probs, w1, w2, dy = routed_problem(shape, device)
-        M, H, F = shape.rows, shape.hidden, shape.ffn
-        N1 = 2 * F
-        cfg = MLPConfig(ACTIVATIONS["swiglu"], (), F, False, r)
-        W1 = operands.Weight.from_cache(w1, r, *_tiles_of(kq.quantize_weight(w1, r, transposed=True)))
-        W2 = operands.Weight.from_cache(w2, r, *_tiles_of(kq.quantize_weight(w2, r, transposed=True)))
-        h = torch.empty((M, N1), dtype=x.dtype, device=device)
-        z = torch.empty((M, F), dtype=torch.float32, device=device)  # fp32 under a recipe, as kernels/mlp.py
-        y = torch.empty((M, H), dtype=x.dtype, device=device)
-        g_h = torch.empty((M, N1), dtype=torch.float32, device=device)
-        z_b = torch.empty((M, F), dtype=torch.float32, device=device)
-        dx = torch.empty((M, H), dtype=x.dtype, device=device)
-        dprobs = torch.empty_like(probs)
-        blocks = operands.WgradBlocks(splits, M, r).get()
-        ops = {}
-
-        def quant_x():
-            ops["x"] = operands.act(x, r)
-
-        def fc1():
-            operands.gemm_on("fc1", ops["x"], W1, splits=splits, out=h, z=z, probs=probs, N=F, K=H, N1=N1, cfg=cfg)
-
-        def quant_z():
-            ops["z"] = operands.act(z, r)
-
-        def fc2():
-            operands.gemm_on("fc2", ops["z"], W2, splits=splits, out=y, probs=probs, N=H, K=F, N1=N1, cfg=cfg)
-
-        def quant_dy():
-            ops["dy"] = operands.act(dy, r)
-
-        def fc2_dgrad():
-            partial = operands.gemm_on("fc2_dgrad", ops["dy"], W2, splits=splits, out=g_h, probs=probs, z=z_b, h=h,
-                                       dprobs_partials=True, N=F, K=H, N1=N1, cfg=cfg)  # fmt: skip
-            launch_mod.launch_dprobs_reduce(partial=partial, dy=dy, fc2_bias=None, splits=splits, dprobs=dprobs,
-                                            bias_term=False)  # fmt: skip
-
-        def quant_g_h():
-            ops["g_h"] = operands.act(g_h, r)
-
-        def fc1_dgrad():
-            operands.gemm_on("fc1_dgrad", ops["g_h"], W1, splits=splits, out=dx, N=H, K=N1, N1=N1, cfg=cfg)
-
-        def wgrad_quant(name, g, t):
-            def run():
-                g_op = kq.quantize_wgrad(g, splits, r, is_grad=True, transposed=True, blocks=blocks)
-                ops[name] = (g_op, kq.quantize_wgrad(t, splits, r, is_grad=False, transposed=True, blocks=blocks))
-
-            return run
-
-        def wgrad(name, dtype):
-            def run():
-                g_op, t_op = ops[name]
-                launch_mod.fp8_grouped_wgrad(g_t=g_op.codes_t, g_scales=g_op.scales, x_t=t_op.codes_t,
-                                             x_scales=t_op.scales, splits=splits, T=M, out_dtype=dtype)  # fmt: skip
-
-            return run
-
-        fns = {
-            "quant x": quant_x, "fc1": fc1, "quant z": quant_z, "fc2": fc2, "quant dy": quant_dy,
-            "fc2_dgrad": fc2_dgrad, "quant g_h": quant_g_h, "fc1_dgrad": fc1_dgrad,
-            "wgrad quant g_h, x": wgrad_quant("dw1", g_h, x), "fc1_wgrad": wgrad("dw1", w1.dtype),
-            "wgrad quant dy, z": wgrad_quant("dw2", dy, z_b), "fc2_wgrad": wgrad("dw2", w2.dtype),
-            "quant W1, both layouts": lambda: kq.quantize_weight(w1, r, transposed=True),
-            "quant W2, both layouts": lambda: kq.quantize_weight(w2, r, transposed=True),
-        }  # fmt: skip
-        # One pass in schedule order first, so that each later launch reads real operands.
-        for fn in fns.values():
-            fn()
-        gemms = {  # (dense A, dense B, the GEMM's operand and weight, for which kernel runs it)
-            "fc1": ((M, H), (H, N1), "fc1", "x", W1), "fc2": ((M, F), (F, H), "fc2", "z", W2),
-            "fc2_dgrad": ((M, H), (H, F), "fc2_dgrad", "dy", W2),
-            "fc1_dgrad": ((M, N1), (N1, H), "fc1_dgrad", "g_h", W1),
-            "fc1_wgrad": ((N1, M), (M, H), None, None, None), "fc2_wgrad": ((H, M), (M, F), None, None, None),
-        }  # fmt: skip
-        moved = {  # bytes read + written by each quantizer pass (codes 1 B, scales ignored)
-            "quant x": M * H * (2 + 1), "quant z": M * F * (4 + 1), "quant dy": M * H * (2 + 1),
-            "quant g_h": M * N1 * (4 + 1), "wgrad quant g_h, x": M * (N1 * (4 + 1) + H * (2 + 1)),
-            "wgrad quant dy, z": M * (H * (2 + 1) + F * (4 + 1)),
-            "quant W1, both layouts": w1.numel() * (2 + 2), "quant W2, both layouts": w2.numel() * (2 + 2),
-        }  # fmt: skip
-        t_all = {name: time_ms(fns[name], device, rep_ms=rep_ms).median for name, _ in FP8_PARTS}
-        step = sum(t for (name, kind), t in zip(FP8_PARTS, t_all.values()) if kind != "weights")
-        for name, kind in FP8_PARTS:
-            t = t_all[name]
-            row = {"shape": shape.name, "part": name, "kind": kind, "ms": t, "pct_of_step": 100.0 * t / step,
-                   "kernel": "", "tflops": float("nan"), "pct_mm": float("nan"), "gbps": float("nan")}  # fmt: skip
-            if kind == "gemm":
-                a_shape, b_shape, gemm_kind, operand, weight = gemms[name]
-                flops = 2.0 * a_shape[0] * a_shape[1] * b_shape[1]
-                a = torch.randn(a_shape, device=device, dtype=x.dtype)
-                b = torch.randn(b_shape, device=device, dtype=x.dtype)
-                t_mm = time_ms(lambda: torch.mm(a, b), device, rep_ms=rep_ms).median
-                row.update(tflops=flops / t / 1e9, pct_mm=100.0 * t_mm / t)
-                if gemm_kind is None:
-                    row["kernel"] = "triton fp8 wgrad"
-                else:
-                    b_op = weight.forward() if gemm_kind in ("fc1", "fc2") else weight.dgrad()
-                    out = {"fc1": h, "fc2": y, "fc2_dgrad": g_h, "fc1_dgrad": dx}[gemm_kind]
-                    z_out = z_b if gemm_kind == "fc2_dgrad" else z
-                    engine = operands.engine_kernel(gemm_kind, ops[operand], b_op, weight, out=out, bias=None,
-                                                    h=h, z=z_out, cfg=cfg)  # fmt: skip
-                    row["kernel"] = f"gluon {engine}" if engine else "triton"
-            else:
-                row["gbps"] = moved[name] / t / 1e6
-            rows.append(row)
-            print(f"  {shape.name:>16} {name:>24}: {t:7.3f} ms {row['kernel']}", flush=True)
-        print(f"  {shape.name:>16} {'sum but the weights':>24}: {step:7.3f} ms", flush=True)
+        rows += _fp8_shape_rows(shape, r, device, rep_ms)
     write_csv(os.path.join(out_dir, "parts_fp8.csv"), rows)
     print_table(rows, ["shape", "part", "kernel", "ms", "pct_of_step", "tflops", "pct_mm", "gbps"],
                 "\nfp8_block's forward + backward, part by part (median ms of do_bench; pct_of_step: of the sum of "
                 "the parts but the weights' passes; pct_mm: of a dense bf16 torch.mm of the same FLOPs; gbps: the "
                 "pass's bytes read and written)")  # fmt: skip
+    return rows
+
+
+
+def _fp8_shape_rows(shape, r, device: torch.device, rep_ms: int) -> list[dict]:
+    """``run_fp8_parts_bench``'s rows of one shape, in FP8_PARTS' order."""
+    from ..kernels import operands
+    from ..kernels.gemm import launch as launch_mod
+    from ..kernels.quant import api as kq
+
+    rows = []
+    x, splits, probs, w1, w2, dy = routed_problem(shape, device)
+    M, H, F = shape.rows, shape.hidden, shape.ffn
+    N1 = 2 * F
+    cfg = MLPConfig(ACTIVATIONS["swiglu"], (), F, False, r)
+    W1 = operands.Weight.from_cache(w1, r, *_tiles_of(kq.quantize_weight(w1, r, transposed=True)))
+    W2 = operands.Weight.from_cache(w2, r, *_tiles_of(kq.quantize_weight(w2, r, transposed=True)))
+    h = torch.empty((M, N1), dtype=x.dtype, device=device)
+    z = torch.empty((M, F), dtype=torch.float32, device=device)  # fp32 under a recipe, as kernels/mlp.py
+    y = torch.empty((M, H), dtype=x.dtype, device=device)
+    g_h = torch.empty((M, N1), dtype=torch.float32, device=device)
+    z_b = torch.empty((M, F), dtype=torch.float32, device=device)
+    dx = torch.empty((M, H), dtype=x.dtype, device=device)
+    dprobs = torch.empty_like(probs)
+    blocks = operands.WgradBlocks(splits, M, r).get()
+    ops = {}
+
+    def quant_x():
+        ops["x"] = operands.act(x, r)
+
+    def fc1():
+        operands.gemm_on("fc1", ops["x"], W1, splits=splits, out=h, z=z, probs=probs, N=F, K=H, N1=N1, cfg=cfg)
+
+    def quant_z():
+        ops["z"] = operands.act(z, r)
+
+    def fc2():
+        operands.gemm_on("fc2", ops["z"], W2, splits=splits, out=y, probs=probs, N=H, K=F, N1=N1, cfg=cfg)
+
+    def quant_dy():
+        ops["dy"] = operands.act(dy, r)
+
+    def fc2_dgrad():
+        partial = operands.gemm_on("fc2_dgrad", ops["dy"], W2, splits=splits, out=g_h, probs=probs, z=z_b, h=h,
+                                   dprobs_partials=True, N=F, K=H, N1=N1, cfg=cfg)  # fmt: skip
+        launch_mod.launch_dprobs_reduce(partial=partial, dy=dy, fc2_bias=None, splits=splits, dprobs=dprobs,
+                                        bias_term=False)  # fmt: skip
+
+    def quant_g_h():
+        ops["g_h"] = operands.act(g_h, r)
+
+    def fc1_dgrad():
+        operands.gemm_on("fc1_dgrad", ops["g_h"], W1, splits=splits, out=dx, N=H, K=N1, N1=N1, cfg=cfg)
+
+    def wgrad_quant(name, g, t):
+        def run():
+            g_op = kq.quantize_wgrad(g, splits, r, is_grad=True, transposed=True, blocks=blocks)
+            ops[name] = (g_op, kq.quantize_wgrad(t, splits, r, is_grad=False, transposed=True, blocks=blocks))
+
+        return run
+
+    def wgrad(name, dtype):
+        def run():
+            g_op, t_op = ops[name]
+            launch_mod.fp8_grouped_wgrad(g_t=g_op.codes_t, g_scales=g_op.scales, x_t=t_op.codes_t,
+                                         x_scales=t_op.scales, splits=splits, T=M, out_dtype=dtype)  # fmt: skip
+
+        return run
+
+    fns = {
+        "quant x": quant_x, "fc1": fc1, "quant z": quant_z, "fc2": fc2, "quant dy": quant_dy,
+        "fc2_dgrad": fc2_dgrad, "quant g_h": quant_g_h, "fc1_dgrad": fc1_dgrad,
+        "wgrad quant g_h, x": wgrad_quant("dw1", g_h, x), "fc1_wgrad": wgrad("dw1", w1.dtype),
+        "wgrad quant dy, z": wgrad_quant("dw2", dy, z_b), "fc2_wgrad": wgrad("dw2", w2.dtype),
+        "quant W1, both layouts": lambda: kq.quantize_weight(w1, r, transposed=True),
+        "quant W2, both layouts": lambda: kq.quantize_weight(w2, r, transposed=True),
+    }  # fmt: skip
+    # One pass in schedule order first, so that each later launch reads real operands.
+    for fn in fns.values():
+        fn()
+    gemms = {  # (dense A, dense B, the GEMM's operand and weight, for which kernel runs it)
+        "fc1": ((M, H), (H, N1), "fc1", "x", W1), "fc2": ((M, F), (F, H), "fc2", "z", W2),
+        "fc2_dgrad": ((M, H), (H, F), "fc2_dgrad", "dy", W2),
+        "fc1_dgrad": ((M, N1), (N1, H), "fc1_dgrad", "g_h", W1),
+        "fc1_wgrad": ((N1, M), (M, H), None, None, None), "fc2_wgrad": ((H, M), (M, F), None, None, None),
+    }  # fmt: skip
+    moved = {  # bytes read + written by each quantizer pass (codes 1 B, scales ignored)
+        "quant x": M * H * (2 + 1), "quant z": M * F * (4 + 1), "quant dy": M * H * (2 + 1),
+        "quant g_h": M * N1 * (4 + 1), "wgrad quant g_h, x": M * (N1 * (4 + 1) + H * (2 + 1)),
+        "wgrad quant dy, z": M * (H * (2 + 1) + F * (4 + 1)),
+        "quant W1, both layouts": w1.numel() * (2 + 2), "quant W2, both layouts": w2.numel() * (2 + 2),
+    }  # fmt: skip
+    t_all = {name: time_ms(fns[name], device, rep_ms=rep_ms).median for name, _ in FP8_PARTS}
+    step = sum(t for (name, kind), t in zip(FP8_PARTS, t_all.values()) if kind != "weights")
+    for name, kind in FP8_PARTS:
+        t = t_all[name]
+        row = {"shape": shape.name, "part": name, "kind": kind, "ms": t, "pct_of_step": 100.0 * t / step,
+               "kernel": "", "tflops": float("nan"), "pct_mm": float("nan"), "gbps": float("nan")}  # fmt: skip
+        if kind == "gemm":
+            a_shape, b_shape, gemm_kind, operand, weight = gemms[name]
+            flops = 2.0 * a_shape[0] * a_shape[1] * b_shape[1]
+            a = torch.randn(a_shape, device=device, dtype=x.dtype)
+            b = torch.randn(b_shape, device=device, dtype=x.dtype)
+            t_mm = time_ms(lambda: torch.mm(a, b), device, rep_ms=rep_ms).median
+            row.update(tflops=flops / t / 1e9, pct_mm=100.0 * t_mm / t)
+            if gemm_kind is None:
+                row["kernel"] = "triton fp8 wgrad"
+            else:
+                b_op = weight.forward() if gemm_kind in ("fc1", "fc2") else weight.dgrad()
+                out = {"fc1": h, "fc2": y, "fc2_dgrad": g_h, "fc1_dgrad": dx}[gemm_kind]
+                z_out = z_b if gemm_kind == "fc2_dgrad" else z
+                engine = operands.engine_kernel(gemm_kind, ops[operand], b_op, weight, out=out, bias=None,
+                                                h=h, z=z_out, cfg=cfg)  # fmt: skip
+                row["kernel"] = f"gluon {engine}" if engine else "triton"
+        else:
+            row["gbps"] = moved[name] / t / 1e6
+        rows.append(row)
+        print(f"  {shape.name:>16} {name:>24}: {t:7.3f} ms {row['kernel']}", flush=True)
+    print(f"  {shape.name:>16} {'sum but the weights':>24}: {step:7.3f} ms", flush=True)
     return rows
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 from ._compat import expect_bytes, gl, gluon, mbarrier, store_wait, tma_load, warp_specialize
 from ._engine import _expert_table, _mainloop_scaled, _ring, _store_tile
 
-
 # 3 × 168 registers at launch, moved by setmaxnreg: the consumers hold a scale a column of X besides the
 # total and the product in flight, and spilled at the engine's 232; the producer's loop needs few
 # (its expert table is one field, E_BLOCK / 32 values a lane).
