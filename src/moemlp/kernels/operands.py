@@ -9,10 +9,10 @@ quantizes both operands along its reduction dim, one of two ways:
 * native (fp8_block): e4m3 codes and fp32 block scales go to the FP8 mode of the grouped GEMM
   (forward and dgrad GEMMs; FC2 without a bias, FC2_DGRAD and FC1_DGRAD on the Gluon engine's
   FP8 mainloop where it runs, the same bits) and to ``launch.fp8_grouped_wgrad`` (weight
-  gradients); the partial sums are promoted every 128-deep step. Weights are quantized in 128×128 tiles, which
-  serve both the forward (rows n, reduction k) and the dgrad (the same tiles read transposed): the
-  dgrad takes a K-major copy of the codes (``codes_t``), since Hopper's e4m3 wgmma reads both
-  operands K-major, stored by the same quantizer pass. Once per forward + backward: a forward whose
+  gradients); the partial sums are promoted every 128-deep step. Weights are quantized in 128×128
+  tiles, which serve both the forward (rows n, reduction k) and the dgrad (the same tiles read
+  transposed): the dgrad takes a K-major copy of the codes (``codes_t``), since Hopper's e4m3
+  wgmma reads both operands K-major, stored by the same quantizer pass. Once per forward + backward: a forward whose
   backward will run a weight's dgrad quantizes it with both layouts, reads the codes and returns
   codes_t and the scales (``saved_dgrad``, 1 byte + 1/16384 fp32 per element, kept until the
   backward); the backward builds its Weight from them (``dgrad_weights``) and quantizes only a
