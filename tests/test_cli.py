@@ -116,7 +116,7 @@ def test_bench_parts_gpu(tmp_path, capsys):
 @pytest.mark.gpu
 def test_bench_parts_fp8_gpu(tmp_path, capsys):
     """fp8_block's step part by part: every part in schedule order, each GEMM on the kernel the MLP
-    runs it on (on an H200: FC2, FC2_DGRAD and FC1_DGRAD on the Gluon engine), sane numbers."""
+    runs it on (on an H200 all but FC1 on the Gluon engine: 64 rows an expert), sane numbers."""
     from moemlp.bench.parts import FP8_PARTS
     from moemlp.kernels.gluon import why_unavailable
 
@@ -125,10 +125,13 @@ def test_bench_parts_fp8_gpu(tmp_path, capsys):
     rows = list(csv.DictReader(open(tmp_path / "parts_fp8.csv")))
     assert [(r["part"], r["kind"]) for r in rows] == list(FP8_PARTS)
     kernels = {r["part"]: r["kernel"] for r in rows if r["kind"] == "gemm"}
-    assert kernels["fc1"] == "triton" and kernels["fc1_wgrad"] == kernels["fc2_wgrad"] == "triton fp8 wgrad"
-    if not why_unavailable():
+    if why_unavailable():
+        assert set(kernels.values()) == {"triton"}, kernels
+    else:
+        assert kernels["fc1"] == "triton", kernels  # gluon.fc1 measured slower: not wired
         assert kernels["fc2"] == kernels["fc1_dgrad"] == "gluon grouped_gemm_fp8", kernels
         assert kernels["fc2_dgrad"] == "gluon fc2_dgrad_fp8", kernels
+        assert kernels["fc1_wgrad"] == kernels["fc2_wgrad"] == "gluon fp8_wgrad", kernels
     for r in rows:
         assert float(r["ms"]) > 0 and float(r["pct_of_step"]) > 0
         if r["kind"] == "gemm":

@@ -197,24 +197,29 @@ def test_gpu_fc2_dgrad_matches_the_triton_kernel(splits_list, M, H, F, activatio
 
 
 MLP_CASES = [
-    # (E, H, F, rows, empty experts, capacity, options): the first with biases (FC2 then stays on the
-    # Triton kernel, whose epilogue adds them), the second without (all three on the engine)
+    # (E, H, F, rows, empty experts, capacity, options): the first with biases (FC2 under fp8_block
+    # then stays on the Triton kernel, whose epilogue adds them), the second without
     pytest.param((8, 1024, 1408, 6000, (3,), 64, {}), id="mixtral_like-bias"),
     pytest.param((48, 1024, 384, 6000, (), 17, dict(bias=False)), id="qwen3_like"),
 ]
+ENGINE_KERNELS = ("fc1", "grouped_gemm_fp8", "fc2_dgrad", "fp8_wgrad")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe_name", [None, "fp8_block"], ids=["bf16", "fp8_block"])
 @pytest.mark.parametrize("case", MLP_CASES)
-def test_gpu_mlp_same_bits_on_either_kernel(case, monkeypatch):
-    """grouped_mlp's forward and backward under fp8_block with FC2, FC2_DGRAD and FC1_DGRAD on the
-    engine and with MOEMLP_GLUON=0 (all on the Triton kernels): every output bitwise equal but dprobs,
-    whose partials the two FC2_DGRAD kernels sum over a tile's columns in another order (within 1e-6);
-    the engine ran where it should."""
+def test_gpu_mlp_same_bits_on_either_kernel(case, recipe_name, monkeypatch):
+    """grouped_mlp's forward and backward with the GEMMs on the engine where it takes them and with
+    MOEMLP_GLUON=0 (all on the Triton kernels): every output bitwise equal but dprobs, whose partials
+    the two FC2_DGRAD kernels sum over a tile's columns in another order (within 1e-6); the engine
+    ran where it should: bf16's FC2_DGRAD (its weight gradients run on torch._grouped_mm either way),
+    and under fp8_block also FC2 without a bias, FC1_DGRAD, and the weight gradients where experts
+    are small (qwen3_like's 125 rows, not mixtral_like's 750); FC1 never (not wired)."""
     from moemlp import kernels as K
     from moemlp._config import MLPConfig
     from moemlp.kernels import gluon
     from moemlp.kernels.gluon import why_unavailable
+    from moemlp.kernels.operands import FP8_WGRAD_ENGINE_ROWS
     from moemlp.recipes import recipe
     from test_triton_backend import GRADS, gpu_problem
 
@@ -222,10 +227,13 @@ def test_gpu_mlp_same_bits_on_either_kernel(case, monkeypatch):
         pytest.skip(why_unavailable())
     E, H, F, rows, empty, cap, kw = case
     t, cfg = gpu_problem(E, H, F, rows, empty, cap, **kw)
-    cfg = MLPConfig(cfg.activation, cfg.activation_params, cfg.glu_interleave, cfg.scale_fc2_bias, recipe("fp8_block"))
+    fp8 = recipe_name is not None
+    if fp8:
+        cfg = MLPConfig(cfg.activation, cfg.activation_params, cfg.glu_interleave, cfg.scale_fc2_bias,
+                        recipe(recipe_name))  # fmt: skip
     args = (t["splits"], t["probs"], t["fc1_weight"], t["fc2_weight"], t["fc1_bias"], t["fc2_bias"])
     calls = []
-    for name in ("grouped_gemm_fp8", "fc2_dgrad"):
+    for name in ENGINE_KERNELS:
         original = getattr(gluon, name)
         monkeypatch.setattr(gluon, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
 
@@ -235,8 +243,13 @@ def test_gpu_mlp_same_bits_on_either_kernel(case, monkeypatch):
         return (y, h) + tuple(K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, (True,) * 6))
 
     engine = run("1")
-    has_bias = t["fc2_bias"] is not None
-    assert calls == ["grouped_gemm_fp8"] * (not has_bias) + ["fc2_dgrad", "grouped_gemm_fp8"], calls
+    if fp8:
+        fc2 = ["grouped_gemm_fp8"] if t["fc2_bias"] is None else []
+        wgrads = ["fp8_wgrad"] * 2 if rows + cap <= FP8_WGRAD_ENGINE_ROWS * E else []
+        expected = [*fc2, "fc2_dgrad", "grouped_gemm_fp8", *wgrads]
+    else:
+        expected = ["fc2_dgrad"]
+    assert calls == expected, calls
     calls.clear()
     triton_only = run("0")
     assert calls == [], calls

@@ -62,6 +62,7 @@ def test_offline_sm90_compile(out_fp32):
         pytest.param(dict(out_dtype=torch.float16), "bf16 or fp32", id="fp16-dW"),
         pytest.param(dict(x_t=torch.zeros(12, 384).to(torch.float8_e4m3fn), out_dtype=torch.bfloat16),
                      "16-byte", id="K12-bf16"),
+        pytest.param(dict(experts=257), "1 to 256 experts", id="too-many-experts"),
         pytest.param(dict(), "not a CUDA tensor", id="cpu"),
     ],
 )
@@ -111,7 +112,7 @@ def test_gpu_matches_the_triton_kernel(splits_list, T, N, K, out_dtype):
     blocks = kq.row_blocks(splits, T, r.block)
     qg = kq.quantize_wgrad(g, splits, r, is_grad=True, transposed=True, blocks=blocks)
     qx = kq.quantize_wgrad(x, splits, r, is_grad=False, transposed=True, blocks=blocks)
-    assert fp8_wgrad_supports(qg.codes_t, qx.codes_t, out_dtype) == ""
+    assert fp8_wgrad_supports(qg.codes_t, qx.codes_t, out_dtype, len(splits_list)) == ""
     dw = fp8_wgrad(qg.codes_t, qg.scales, qx.codes_t, qx.scales, splits, T, out_dtype)
     ref = launch.fp8_grouped_wgrad(g_t=qg.codes_t, g_scales=qg.scales, x_t=qx.codes_t, x_scales=qx.scales,
                                    splits=splits, T=T, out_dtype=out_dtype)  # fmt: skip

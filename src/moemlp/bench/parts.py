@@ -246,8 +246,7 @@ def _fp8_shape_rows(shape, r, device: torch.device, rep_ms: int) -> list[dict]:
     def wgrad(name, dtype):
         def run():
             g_op, t_op = ops[name]
-            launch_mod.fp8_grouped_wgrad(g_t=g_op.codes_t, g_scales=g_op.scales, x_t=t_op.codes_t,
-                                         x_scales=t_op.scales, splits=splits, T=M, out_dtype=dtype)  # fmt: skip
+            operands.fp8_wgrad(g_op, t_op, splits, M, dtype)
 
         return run
 
@@ -262,11 +261,13 @@ def _fp8_shape_rows(shape, r, device: torch.device, rep_ms: int) -> list[dict]:
     # One pass in schedule order first, so that each later launch reads real operands.
     for fn in fns.values():
         fn()
-    gemms = {  # (dense A, dense B, the GEMM's operand and weight, for which kernel runs it)
+    # (dense A, dense B, the GEMM's kind, operand and weight (a wgrad's: its operands and dW's dtype),
+    # for which kernel runs it)
+    gemms = {
         "fc1": ((M, H), (H, N1), "fc1", "x", W1), "fc2": ((M, F), (F, H), "fc2", "z", W2),
         "fc2_dgrad": ((M, H), (H, F), "fc2_dgrad", "dy", W2),
         "fc1_dgrad": ((M, N1), (N1, H), "fc1_dgrad", "g_h", W1),
-        "fc1_wgrad": ((N1, M), (M, H), None, None, None), "fc2_wgrad": ((H, M), (M, F), None, None, None),
+        "fc1_wgrad": ((N1, M), (M, H), None, "dw1", w1.dtype), "fc2_wgrad": ((H, M), (M, F), None, "dw2", w2.dtype),
     }  # fmt: skip
     moved = {  # bytes read + written by each quantizer pass (codes 1 B, scales ignored)
         "quant x": M * H * (2 + 1), "quant z": M * F * (4 + 1), "quant dy": M * H * (2 + 1),
@@ -288,7 +289,9 @@ def _fp8_shape_rows(shape, r, device: torch.device, rep_ms: int) -> list[dict]:
             t_mm = time_ms(lambda: torch.mm(a, b), device, rep_ms=rep_ms).median
             row.update(tflops=flops / t / 1e9, pct_mm=100.0 * t_mm / t)
             if gemm_kind is None:
-                row["kernel"] = "triton fp8 wgrad"
+                g_op, t_op = ops[operand]
+                engine = operands.fp8_wgrad_engine(g_op, t_op, splits, M, weight)
+                row["kernel"] = "gluon fp8_wgrad" if engine else "triton"
             else:
                 b_op = weight.forward() if gemm_kind in ("fc1", "fc2") else weight.dgrad()
                 out = {"fc1": h, "fc2": y, "fc2_dgrad": g_h, "fc1_dgrad": dx}[gemm_kind]

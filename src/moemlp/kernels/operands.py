@@ -8,8 +8,8 @@ quantizes both operands along its reduction dim, one of two ways:
 
 * native (fp8_block): e4m3 codes and fp32 block scales go to the FP8 mode of the grouped GEMM
   (forward and dgrad GEMMs; FC2 without a bias, FC2_DGRAD and FC1_DGRAD on the Gluon engine's
-  FP8 mainloop where it runs, the same bits) and to ``launch.fp8_grouped_wgrad`` (weight
-  gradients); the partial sums are promoted every 128-deep step. Weights are quantized in 128×128
+  FP8 mainloop where it runs, the same bits) and to ``fp8_wgrad`` (weight gradients, on the
+  engine where experts are small); the partial sums are promoted every 128-deep step. Weights are quantized in 128×128
   tiles, which serve both the forward (rows n, reduction k) and the dgrad (the same tiles read
   transposed): the dgrad takes a K-major copy of the codes (``codes_t``), since Hopper's e4m3
   wgmma reads both operands K-major, stored by the same quantizer pass. Once per forward + backward: a forward whose
@@ -407,13 +407,12 @@ def engine_kernel(kind: str, a_op: ActOperand, b_op: WeightOperand, weight: Weig
     """The Gluon kernel that runs this GEMM, "" for the Triton kernel: FC2_DGRAD with its fused
     epilogue on bf16 ("fc2_dgrad") and on fp8_block's codes ("fc2_dgrad_fp8"), and fp8_block's FC2
     without a bias and FC1_DGRAD ("grouped_gemm_fp8"), where ``_gluon_on`` and ``gluon.*_supports``
-    allow. The Triton kernels give the same bits (tests/kernels/test_gluon_*.py)."""
-    if not _gluon_on(a_op.a):
+    allow. The Triton kernels give the same bits (tests/kernels/test_gluon_*.py). FC1 stays on the
+    Triton kernel: ``gluon.fc1`` gives its bits but measured slower (docs/DECISIONS.md)."""
+    if not _gluon_on(a_op.a) or (cfg.recipe is not None and not is_native(cfg.recipe)):
         return ""
     if cfg.recipe is None:
         return "fc2_dgrad" if kind == "fc2_dgrad" and _engine_fc2_dgrad(a_op.a, weight.w, h, out, z, cfg) else ""
-    if not is_native(cfg.recipe):
-        return ""
     if kind == "fc2_dgrad":
         # W2's K-major codes (E, F, H) as the (E, H, F) weight they transpose
         why = gluon.fc2_dgrad_fp8_supports(a_op.a, b_op.b.transpose(1, 2), h, cfg.activation.kernel_id, cfg.glu,
@@ -529,10 +528,7 @@ def wgrad(
             )
         return dw, db
     if native and x is not None:
-        dw = launch.fp8_grouped_wgrad(
-            g_t=g_op.codes_t, g_scales=g_op.scales, x_t=x_op.codes_t, x_scales=x_op.scales, splits=splits,
-            T=g.shape[0], out_dtype=dw_dtype,
-        )  # fmt: skip
+        dw = fp8_wgrad(g_op, x_op, splits, g.shape[0], dw_dtype)
     elif x is not None:
         (g_values, g_factor), (x_values, x_factor) = g_op, x_op
         launch.launch_grouped_wgrad(
@@ -543,6 +539,32 @@ def wgrad(
             g=g.to(dtype), x=None, splits=splits, dw=None, db=db, config=config, probs=probs, scale_b=scale_bias
         )
     return dw, db
+
+
+# fp8_block's weight gradients run on the engine where experts average at most this many rows: it
+# measured 1.1-1.5x the Triton kernel at 128-256 rows, even with it at 1024 and 0.91-0.93x at 2048
+# (docs/DECISIONS.md).
+FP8_WGRAD_ENGINE_ROWS = 512
+
+
+def fp8_wgrad_engine(g_op, x_op, splits: Tensor, T: int, out_dtype: torch.dtype) -> bool:
+    """Whether fp8_block's weight gradient on these ``quantize_wgrad`` operands of T source rows runs
+    on the Gluon engine (``gluon.fp8_wgrad``) rather than the Triton kernel, which gives the same
+    bits: where ``_gluon_on`` and ``gluon.fp8_wgrad_supports`` allow and the experts average at most
+    FP8_WGRAD_ENGINE_ROWS rows (no device read)."""
+    E = splits.shape[0]
+    if not _gluon_on(g_op.codes_t) or T > FP8_WGRAD_ENGINE_ROWS * E:
+        return False
+    return not gluon.fp8_wgrad_supports(g_op.codes_t, x_op.codes_t, out_dtype, E)
+
+
+def fp8_wgrad(g_op, x_op, splits: Tensor, T: int, out_dtype: torch.dtype) -> Tensor:
+    """fp8_block's dW (E, N, K) = dequant(G)[R_e]ᵀ @ dequant(X)[R_e] from the transposed codes of
+    ``quantize_wgrad`` (T source rows), on the kernel ``fp8_wgrad_engine`` picks."""
+    if fp8_wgrad_engine(g_op, x_op, splits, T, out_dtype):
+        return gluon.fp8_wgrad(g_op.codes_t, g_op.scales, x_op.codes_t, x_op.scales, splits, T, out_dtype)
+    return launch.fp8_grouped_wgrad(g_t=g_op.codes_t, g_scales=g_op.scales, x_t=x_op.codes_t, x_scales=x_op.scales,
+                                    splits=splits, T=T, out_dtype=out_dtype)  # fmt: skip
 
 
 def _empty_dw(g: Tensor, x: Tensor, splits: Tensor, dtype: torch.dtype) -> Tensor:

@@ -585,13 +585,16 @@ def fc1(
 WGRAD_GROUP_N = 8
 
 
-def fp8_wgrad_supports(g_t: torch.Tensor, x_t: torch.Tensor, out_dtype: torch.dtype) -> str:
+def fp8_wgrad_supports(g_t: torch.Tensor, x_t: torch.Tensor, out_dtype: torch.dtype, experts: int = 1) -> str:
     """Why fp8_block's weight gradient on the engine cannot take these operands ("" when it can): the
     transposed codes Gᵀ (N, P) and Xᵀ (K, P) (``quantize_wgrad(..., transposed=True)``'s), contiguous
-    and 16-byte aligned, and dW (E, N, K) in bf16 or fp32 with 16-byte rows (no device read)."""
+    and 16-byte aligned, dW (E, N, K) in bf16 or fp32 with 16-byte rows, and 1 to MAX_EXPERTS
+    ``experts`` (no device read)."""
     fp8 = torch.float8_e4m3fn
     if g_t.dtype != fp8 or x_t.dtype != fp8 or g_t.dim() != 2 or x_t.dim() != 2:
         return "2-D e4m3 codes only"
+    if not 0 < experts <= MAX_EXPERTS:
+        return f"1 to {MAX_EXPERTS} experts"
     if out_dtype not in (torch.bfloat16, torch.float32):
         return "dW in bf16 or fp32 only"
     K = x_t.shape[0]
