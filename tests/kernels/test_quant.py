@@ -213,6 +213,29 @@ def test_launcher_rejects_bad_inputs():
         kq.quantize(torch.zeros(2, 4, 6), r, axis=0)
 
 
+@pytest.mark.parametrize(
+    "splits, clamped",
+    [
+        pytest.param([700, 700], [700, 300], id="sum-past-T"),  # the gluon fp8_wgrad GPU case
+        pytest.param([-5, 400, 900, 3], [0, 400, 600, 0], id="negative-then-past-T"),
+    ],
+)
+def test_row_blocks_clamp_splits_as_the_kernels_do(splits, clamped):
+    """Splits that are negative or sum past T give the blocks of the splits the GEMM kernels clamp
+    them to: no block reads a source row past T (the quantizer's loads are masked by the block's
+    count alone) and the blocks the kernels read are the ones written."""
+    from moemlp.kernels.quant import api as kq
+
+    T = 1000
+    got = kq.row_blocks(torch.tensor(splits), T, 128)
+    want = kq.row_blocks(torch.tensor(clamped), T, 128)
+    for a, b in zip(tuple(got)[:3], tuple(want)[:3]):
+        assert torch.equal(a, b)
+    start, count = got[0], got[1].to(torch.int64)
+    used = count > 0  # an unused block (count 0) holds the rows past Σsplits that a dequantizing pass zeroes
+    assert int((start + count)[used].max()) <= T and int(count.sum()) == sum(clamped)
+
+
 @pytest.mark.parametrize("rid,uses_hw", [(0, True), (1, True), (2, False)])
 def test_e4m3_rounding_on_hopper_is_the_hardware_conversion_but_for_nvfp4(rid, uses_hw):
     # Offline sm_90 compile (no GPU): fp8_block's and mxfp8's element codes round with

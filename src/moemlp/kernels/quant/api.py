@@ -231,17 +231,21 @@ def row_blocks(splits: Tensor, num_rows: int, block: int, device=None) -> RowBlo
 def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tensor, Tensor, Tensor, int]:
     """The expert-aligned row blocks of a (T, K) wgrad operand, with torch ops on the device (no
     host read): block p covers padded rows [p·B, p·B + B) and source rows [start, start + count);
-    NB = ⌈T/B⌉ + E blocks is the worst case. Returns (start int64, count int32, rows int64, NB)
+    NB = ⌈T/B⌉ + E blocks is the worst case. Splits are clamped to T as the GEMM kernels clamp them. Returns (start int64, count int32, rows int64, NB)
     where rows[t] is source row t's padded row, -1 past Σsplits (recipes' ExpertRows layout).
 
     The U = Σ⌈s_e/B⌉ used blocks come first; unused block p ≥ U has count 0 and start Σsplits + (p − U)·B:
     the rows past Σsplits that the dequantizing pass zeroes. They reach T: U ≤ ⌊Σs/B⌋ + E, so
     (NB − U)·B ≥ (⌈T/B⌉ − ⌊Σs/B⌋)·B ≥ T − Σs."""
-    s = splits.to(device=device, dtype=torch.int64)
+    # Splits clamped as the GEMM kernels clamp them (negative → 0 rows, a running sum past T truncated
+    # at T), so that no block reads a source row past T and the kernels' blocks are the ones written.
+    s = splits.to(device=device, dtype=torch.int64).clamp(0, num_rows)
     num_experts = s.numel()
     nb = triton.cdiv(num_rows, block) + num_experts
-    ends = torch.cumsum(s, 0)
-    starts = ends - s
+    cum = torch.cumsum(s, 0)
+    ends = cum.clamp(max=num_rows)
+    starts = (cum - s).clamp(max=num_rows)
+    s = ends - starts
     blocks = (s + block - 1) // block
     first_block = torch.cumsum(blocks, 0) - blocks
     p = torch.arange(nb, device=device)
