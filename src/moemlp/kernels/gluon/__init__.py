@@ -6,9 +6,10 @@ fused epilogue (dSwiGLU·probs, z, dprobs partials), which the backward runs whe
 ``fc2_dgrad_supports`` allows (kernels/operands.py). ``grouped_gemm_fp8`` is fp8_block's grouped GEMM
 (e4m3 codes with 1×128 and 128×128 block scales) on the engine's cooperative tiles, which the MLP's
 FC2 and FC1_DGRAD run under fp8_block where ``fp8_supports`` allows, as its FC2_DGRAD runs
-``fc2_dgrad`` on the codes where ``fc2_dgrad_fp8_supports`` does. ``fc1`` is FC1 with its GLU
-epilogue, bf16 or fp8_block, and ``fp8_wgrad`` fp8_block's weight gradient (the MLP calls neither
-yet)."""
+``fc2_dgrad`` on the codes where ``fc2_dgrad_fp8_supports`` does. ``fp8_wgrad`` is fp8_block's
+weight gradient, which the MLP runs where experts are small (``kernels.operands.fp8_wgrad``).
+``fc1`` is FC1 with its GLU epilogue, bf16 or fp8_block: the Triton kernel's bits, but slower
+than that kernel, so the MLP does not call it."""
 
 from ._compat import is_available, missing, why_unavailable
 from ._launch import (
