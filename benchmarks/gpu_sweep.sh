@@ -5,7 +5,7 @@
 #   recipes profile wgradq parts, run in that order; default suite,partsfp8,recipes. A part
 #   whose time limit would pass DEADLINE seconds from the start (default 590: the device's 600 s per
 #   call) is skipped.
-# suite: every test, as the README runs them (-n 8; about 5 minutes on a cold H200 host, most of it
+# suite: every test, as the README runs them (-n 8; about 4 minutes on a cold H200 host, most of it
 # kernel compiles); gluon: the Gluon engine's tests alone.
 set -uo pipefail
 OUT=${OUT:-/tmp/moemlp-out}
