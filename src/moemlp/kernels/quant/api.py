@@ -32,7 +32,8 @@ import torch
 import triton
 from torch import Tensor
 
-from .kernels import _amax_kernel, _quantize_kernel, _wgrad_kernel
+from ..gemm.launch import _num_programs
+from .kernels import _amax_kernel, _quantize_kernel, _weight_tiles_kernel, _wgrad_kernel
 
 __all__ = [
     "quantize",
@@ -48,7 +49,7 @@ __all__ = [
 ]
 
 _FP8_BLOCK, _MXFP8, _NVFP4 = 0, 1, 2  # the kernels' RECIPE constexpr, a recipe's kernel_id
-_ROWWISE, _COLWISE, _TILES = 1, 0, 2
+_ROWWISE, _COLWISE = 1, 0
 
 
 def supports(recipe) -> bool:
@@ -173,9 +174,25 @@ def nvfp4_scale_from_amax(amax: Tensor) -> Tensor:
     return tensor_scale_from_amax(amax)
 
 
-# A 128×128 tile per program holds 16k fp32 values: at 4 warps 128 per thread; mixtral's W1 pass ran
-# at 879 GB/s with 4 warps, 1054 GB/s with 8, 1580 GB/s with 16.
-_TILE_WARPS = 16
+# _weight_tiles_kernel: 8 warps, one program per SM (the weights of gpt-oss-120b and mixtral-8x7b at
+# 3.1-3.2 TB/s, 16 warps 3.1, 2 or 4 programs per SM no faster; the former one-tile-per-program
+# kernel's best, 16 warps, 2.2 TB/s).
+_TILE_WARPS = 8
+
+
+def _weight_tiles(
+    w: Tensor, out: Tensor, codes_t: Tensor | None, scales: Tensor | None, pow2: bool, dequant: bool
+) -> None:
+    """Launch _weight_tiles_kernel on w (…, M, K): codes (or with ``dequant`` values) into ``out``."""
+    M, K = w.shape[-2:]
+    if not w.numel():
+        return
+    batch = w.numel() // (M * K)
+    tiles = triton.cdiv(M, 128) * triton.cdiv(K, 128) * batch
+    _weight_tiles_kernel[(_num_programs(w.device, tiles),)](
+        w, out, out if codes_t is None else codes_t, out if scales is None else scales, M, K, batch,
+        POW2=pow2, VMAX=_vmax(w.dtype), DEQUANT=dequant, STORE_T=codes_t is not None, num_warps=_TILE_WARPS,
+    )  # fmt: skip
 
 
 def quantize_weight(w: Tensor, recipe, transposed: bool = False):
@@ -191,18 +208,11 @@ def quantize_weight(w: Tensor, recipe, transposed: bool = False):
         return quantize(w, recipe, axis=-1)
     _check(w, "w")
     M, K = w.shape[-2:]
-    batch = w.numel() // max(M * K, 1)
     lead = tuple(w.shape[:-2])
     codes = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
     codes_t = torch.empty(lead + (K, M), dtype=torch.uint8, device=w.device) if transposed else None
     scales = torch.empty(lead + (triton.cdiv(M, 128), triton.cdiv(K, 128)), dtype=torch.float32, device=w.device)
-    if w.numel():
-        grid = (triton.cdiv(M, 128), triton.cdiv(K, 128), batch)
-        _quantize_kernel[grid](
-            w, codes, scales, scales, M, K, codes_t if transposed else codes, STORE_T=transposed,
-            RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128, NB=1,
-            POW2=bool(recipe.pow2_scales), VMAX=_vmax(w.dtype), DEQUANT=False, num_warps=_TILE_WARPS,
-        )  # fmt: skip
+    _weight_tiles(w, codes, codes_t, scales, bool(recipe.pow2_scales), dequant=False)
     return QuantizedTensor.of(
         recipe, codes.view(torch.float8_e4m3fn), scales, w.shape, -1, (128, 128),
         codes_t=codes_t.view(torch.float8_e4m3fn) if transposed else None,
@@ -484,15 +494,8 @@ def dequantized_weight(
     if recipe_id(recipe) != _FP8_BLOCK:
         return dequantized(w, recipe, axis=dim, out_dtype=out_dtype, tiny_blocks_exact=tiny_blocks_exact)
     _check_out_dtype(recipe, w.dtype, out_dtype, tiny_blocks_exact)
-    M, K = w.shape[-2:]
-    batch = w.numel() // max(M * K, 1)
     values = torch.empty(w.shape, dtype=out_dtype, device=w.device)
-    if w.numel():
-        grid = (triton.cdiv(M, 128), triton.cdiv(K, 128), batch)
-        _quantize_kernel[grid](
-            w, values, values, w, M, K, values, STORE_T=False, RECIPE=_FP8_BLOCK, AXIS=_TILES, BM=128, BK=128, NB=1,
-            POW2=bool(recipe.pow2_scales), VMAX=_vmax(w.dtype), DEQUANT=True, num_warps=_TILE_WARPS,
-        )  # fmt: skip
+    _weight_tiles(w, values, None, None, bool(recipe.pow2_scales), dequant=True)
     return values, None
 
 

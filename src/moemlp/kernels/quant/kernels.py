@@ -1,8 +1,8 @@
-"""The quantizer kernels: ``_quantize_kernel`` (1-D blocks rowwise or columnwise, fp8_block's
-128×128 weight tiles), ``_amax_kernel`` (nvfp4's per-tensor amax) and ``_wgrad_kernel`` (a
-weight-gradient operand's expert-aligned row blocks, nvfp4's Hadamard rotation and stochastic
-rounding). With DEQUANT each writes code·block_scale in the input's layout instead of codes and
-scales. Launched by api.py; the arithmetic is formats.py's.
+"""The quantizer kernels: ``_quantize_kernel`` (1-D blocks rowwise or columnwise),
+``_weight_tiles_kernel`` (fp8_block's 128×128 weight tiles), ``_amax_kernel`` (nvfp4's per-tensor
+amax) and ``_wgrad_kernel`` (a weight-gradient operand's expert-aligned row blocks, nvfp4's
+Hadamard rotation and stochastic rounding). With DEQUANT each writes code·block_scale in the
+input's layout instead of codes and scales. Launched by api.py; the arithmetic is formats.py's.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _per_block_spread(v, BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
 @triton.jit
 def _spread(v, AXIS: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, BK: tl.constexpr):
     """A per-block value over the tile: rowwise tiles hold NB blocks per row, (BM, NB) → (BM, BK);
-    columnwise (1, BK) and 128×128 (1, 1) values broadcast as they are."""
+    columnwise (1, BK) values broadcast as they are."""
     if AXIS == 1:
         return _per_block_spread(v, BM, NB, BK // NB)
     else:
@@ -57,14 +57,14 @@ def _quantize_kernel(
     x_ptr,  # (BATCH, M, K) bf16 / fp16 / fp32, contiguous
     codes_ptr,  # uint8: (BATCH, M, K); nvfp4 packed along the block axis: (BATCH, M, ⌈K/2⌉) or (BATCH, ⌈M/2⌉, K)
     #             DEQUANT: the values code·block_scale, (BATCH, M, K) in the output dtype
-    scales_ptr,  # (BATCH, M, ⌈K/B⌉) rowwise, (BATCH, ⌈M/B⌉, K) columnwise, (BATCH, ⌈M/128⌉, ⌈K/128⌉) tiles
+    scales_ptr,  # (BATCH, M, ⌈K/B⌉) rowwise, (BATCH, ⌈M/B⌉, K) columnwise
     #              DEQUANT: nvfp4: fp32 scalar, 1/S_enc (written by program (0, 0, 0)); others unused
     amax_ptr,  # nvfp4: fp32 scalar, the NaN-ignoring amax of the whole tensor
     M,
     K,
     codes_t_ptr,  # STORE_T: uint8 (BATCH, K, M), the codes transposed over the last two dims
     RECIPE: tl.constexpr,  # 0 fp8_block, 1 mxfp8, 2 nvfp4
-    AXIS: tl.constexpr,  # 1 rowwise (blocks along K), 0 columnwise (along M), 2 128×128 tiles
+    AXIS: tl.constexpr,  # 1 rowwise (blocks along K), 0 columnwise (along M)
     BM: tl.constexpr,  # tile rows; = the block for AXIS 0 (nvfp4: half of it, even/odd rows apart)
     BK: tl.constexpr,  # tile cols; = NB blocks for AXIS 1
     NB: tl.constexpr,  # AXIS 1: blocks per tile row (a 128-wide tile: 1 fp8_block, 4 mxfp8, 8 nvfp4)
@@ -153,10 +153,8 @@ def _quantize_kernel(
         a = abs_or_zero(x)
         if AXIS == 1:
             amax = _per_block_max(a, BM, NB, BK // NB)  # (BM, NB)
-        elif AXIS == 0:
-            amax = tl.max(a, axis=0)[None, :]
         else:
-            amax = tl.max(tl.max(a, axis=1), axis=0) + tl.zeros((1, 1), tl.float32)
+            amax = tl.max(a, axis=0)[None, :]
         if RECIPE == 0:
             scale = fp8_block_scale(amax, POW2, VMAX)
             codes = e4m3_code(x * _spread(scale, AXIS, BM, NB, BK))
@@ -182,13 +180,89 @@ def _quantize_kernel(
                 rb = pid_k * NB + tl.arange(0, NB)
                 s_off = batch * M * nb + rm.to(tl.int64)[:, None] * nb + rb[None, :]
                 tl.store(scales_ptr + s_off, scale_out, mask=(rm < M)[:, None] & (rb < nb)[None, :])
-            elif AXIS == 0:
+            else:
                 s_off = batch * tl.cdiv(M, BM) * K + pid_m.to(tl.int64) * K + rk[None, :]
                 tl.store(scales_ptr + s_off, scale_out, mask=(rk < K)[None, :])
-            else:
-                nbk = tl.cdiv(K, BK)
-                s_off = batch * tl.cdiv(M, BM) * nbk + pid_m * nbk + pid_k + tl.zeros((1, 1), tl.int64)
-                tl.store(scales_ptr + s_off, scale_out)
+
+
+@triton.jit
+def _weight_tile(
+    x, codes_ptr, codes_t_ptr, scales_ptr, b, pm, pk, M, K,
+    POW2: tl.constexpr, VMAX: tl.constexpr, DEQUANT: tl.constexpr, STORE_T: tl.constexpr,
+):  # fmt: skip
+    """Tile (pm, pk) of weight b: x (128, 128) as loaded (zeros past M and K) -> its codes, codes_t
+    and the tile's 1/scale, or with DEQUANT the values code·(1/scale)."""
+    rm = pm * 128 + tl.arange(0, 128)
+    rk = pk * 128 + tl.arange(0, 128)
+    mask = (rm < M)[:, None] & (rk < K)[None, :]
+    xf = x.to(tl.float32)
+    amax = tl.max(tl.max(abs_or_zero(xf), axis=1), axis=0) + tl.zeros((1, 1), tl.float32)
+    scale = fp8_block_scale(amax, POW2, VMAX)
+    codes = e4m3_code(xf * scale)
+    scale_inv = tl.div_rn(1.0 + tl.zeros_like(scale), scale)  # the dequantization scale
+    base = b.to(tl.int64) * M * K
+    off = rm.to(tl.int64)[:, None] * K + rk[None, :]
+    if DEQUANT:
+        # one fp32 product, as the reference's code · scale (exact for power-of-two scales)
+        values = e4m3_signed_value(codes) * scale_inv
+        tl.store(codes_ptr + base + off, values.to(codes_ptr.dtype.element_ty), mask=mask)
+    else:
+        c8 = codes.to(tl.uint8)
+        tl.store(codes_ptr + base + off, c8, mask=mask)
+        if STORE_T:
+            off_t = rk.to(tl.int64)[:, None] * M + rm[None, :]
+            tl.store(codes_t_ptr + base + off_t, tl.trans(c8), mask=(rk < K)[:, None] & (rm < M)[None, :])
+        nbk = tl.cdiv(K, 128)
+        s_off = (b.to(tl.int64) * tl.cdiv(M, 128) + pm) * nbk + pk + tl.zeros((1, 1), tl.int64)
+        tl.store(scales_ptr + s_off, scale_inv)
+
+
+@triton.jit
+def _weight_tiles_kernel(
+    x_ptr,  # (BATCH, M, K) bf16 / fp16 / fp32, contiguous
+    codes_ptr,  # uint8 (BATCH, M, K); DEQUANT: the values code·(1/scale), (BATCH, M, K) in the output dtype
+    codes_t_ptr,  # STORE_T: uint8 (BATCH, K, M), the codes transposed over the last two dims
+    scales_ptr,  # fp32 (BATCH, ⌈M/128⌉, ⌈K/128⌉): 1/scale of each tile; unused with DEQUANT
+    M,
+    K,
+    BATCH,
+    POW2: tl.constexpr,
+    VMAX: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    STORE_T: tl.constexpr,
+):
+    """fp8_block's 128×128 tiles over the last two dims, persistent: program p takes tiles p, p + P,
+    … (row-major over batch, tile row, tile column) and loads its next tile before it quantizes this
+    one, so each program keeps a load in flight while its stores drain; one tile per program ran
+    at 2.2 TB/s, this at 3.2 (docs/DECISIONS.md)."""
+    nbm = tl.cdiv(M, 128)
+    nbk = tl.cdiv(K, 128)
+    total = nbm * nbk * BATCH
+    step = tl.num_programs(0)
+    ar = tl.arange(0, 128)
+    t = tl.program_id(0)
+    b = t // (nbm * nbk)
+    pm = (t % (nbm * nbk)) // nbk
+    pk = t % nbk
+    rm = pm * 128 + ar
+    rk = pk * 128 + ar
+    x = tl.load(x_ptr + b.to(tl.int64) * M * K + rm.to(tl.int64)[:, None] * K + rk[None, :],
+                mask=((rm < M) & (ar * 0 + t < total))[:, None] & (rk < K)[None, :], other=0.0)  # fmt: skip
+    while t < total:
+        tn = t + step
+        bn = tn // (nbm * nbk)
+        pmn = (tn % (nbm * nbk)) // nbk
+        pkn = tn % nbk
+        rmn = pmn * 128 + ar
+        rkn = pkn * 128 + ar
+        xn = tl.load(x_ptr + bn.to(tl.int64) * M * K + rmn.to(tl.int64)[:, None] * K + rkn[None, :],
+                     mask=((rmn < M) & (ar * 0 + tn < total))[:, None] & (rkn < K)[None, :], other=0.0)  # fmt: skip
+        _weight_tile(x, codes_ptr, codes_t_ptr, scales_ptr, b, pm, pk, M, K, POW2, VMAX, DEQUANT, STORE_T)
+        x = xn
+        t = tn
+        b = bn
+        pm = pmn
+        pk = pkn
 
 
 @triton.jit
