@@ -70,6 +70,22 @@ def test_bench_recipes_cpu(tmp_path, capsys):
         assert float(r[f"{name}_fwdbwd_ms"]) > 0 and float(r[f"{name}_speedup_fwdbwd"]) > 0
         assert float(r[f"{name}_snr_db"]) >= floor, (name, r[f"{name}_snr_db"])
     assert "fp8_block_speedup_fwdbwd" in capsys.readouterr().out
+    assert math.isnan(float(r["bf16_fwdbwd_gpu_ms"]))  # no GPU time off a GPU
+
+
+@pytest.mark.gpu
+def test_bench_recipes_gpu(tmp_path, capsys):
+    """bench --recipes on the GPU: every variant, the weight-cached ones too, with a GPU time beside its
+    wall time and the speedup of each over bf16's GPU time."""
+    assert main(["bench", "--recipes", "--shape", "cpu-small", "--out", str(tmp_path), "--rep-ms", "10"]) == 0
+    (r,) = list(csv.DictReader(open(tmp_path / "bench_recipes.csv")))
+    bf16_gpu = float(r["bf16_fwdbwd_gpu_ms"])
+    assert 0 < bf16_gpu
+    for label in ("fp8_block", "mxfp8", "nvfp4", "fp8_block_wcache", "mxfp8_wcache", "nvfp4_wcache"):
+        gpu = float(r[f"{label}_fwdbwd_gpu_ms"])
+        assert 0 < gpu and float(r[f"{label}_fwdbwd_ms"]) > 0, label
+        assert float(r[f"{label}_speedup_fwdbwd_gpu"]) == pytest.approx(bf16_gpu / gpu, rel=1e-9), label
+    assert "fp8_block_speedup_fwdbwd_gpu" in capsys.readouterr().out
 
 
 def test_unknown_shape_lists_the_choices(capsys):

@@ -3,6 +3,9 @@ own bf16 path, same process, same inputs (quantization included in every timing:
 gradients per call, weights per call too, as a step that changes the weights must). On the Triton
 path one more column per recipe, ``<recipe>_wcache``, times it with the weights quantized once
 outside the call (``moemlp.quantize_weights``): what a later micro-batch of an optimizer step costs.
+On a GPU each variant also gets a GPU time (``<label>_fwdbwd_gpu_ms``, ``bench.common.gpu_time_ms``:
+the kernels back to back with the host's launch time hidden) and its speedup over bf16's GPU time,
+which tells where a recipe's extra launches, not its kernels, set the wall time.
 
 Before timing, each recipe's output is checked against the unquantized bf16 result (signal-to-noise
 ratio in dB over y): a broken path is a loud error, not a fast number.
@@ -17,7 +20,7 @@ import torch
 
 from .._quantized_weights import quantize_weights
 from ..functional import grouped_mlp
-from .common import device_description, fwd_and_fwd_bwd, print_table, routed_problem, write_csv
+from .common import device_description, fwd_and_fwd_bwd, gpu_time_ms, print_table, routed_problem, write_csv
 from .mlp import NOISY_SPREAD
 
 RECIPES = ("fp8_block", "mxfp8", "nvfp4")
@@ -61,9 +64,11 @@ def bench_shape(shape, device, backend: str, rep_ms: int, recipes=RECIPES) -> di
         row[f"{label}_fwdbwd_spread"] = t_fwd_bwd.spread
         row[f"{label}_fwdbwd_n"] = t_fwd_bwd.n
         row[f"{label}_fwdbwd_tflops"] = shape.flops(True) / fwd_bwd / 1e9
+        row[f"{label}_fwdbwd_gpu_ms"] = gpu_time_ms(lambda fn=fn: torch.autograd.grad(fn(), leaves, dy), device)
         if name is not None:
             row[f"{label}_speedup_fwd"] = row["bf16_fwd_ms"] / fwd
             row[f"{label}_speedup_fwdbwd"] = row["bf16_fwdbwd_ms"] / fwd_bwd
+            row[f"{label}_speedup_fwdbwd_gpu"] = row["bf16_fwdbwd_gpu_ms"] / row[f"{label}_fwdbwd_gpu_ms"]
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return row
@@ -86,6 +91,11 @@ def run_recipe_bench(shapes, device: torch.device, backend: str, out_dir: str, r
     for name in RECIPES:
         if any(f"{name}{WCACHE}_fwdbwd_ms" in r for r in rows):
             cols += [f"{name}{WCACHE}_fwdbwd_ms", f"{name}{WCACHE}_speedup_fwdbwd"]
+    if device.type == "cuda":  # GPU time: the host's launches hidden (NaN on a CPU, so not shown there)
+        cols += ["bf16_fwdbwd_gpu_ms"] + [
+            f"{label}_speedup_fwdbwd_gpu" for label in (*RECIPES, *(n + WCACHE for n in RECIPES))
+            if any(f"{label}_speedup_fwdbwd_gpu" in r for r in rows)
+        ]  # fmt: skip
     print_table(
         rows,
         cols,
