@@ -199,18 +199,86 @@ def test_launcher_rejects_bad_inputs():
         kq.quantize_wgrad(torch.zeros(4, 6), torch.tensor([4]), recipe("nvfp4"), transposed=True)
     r = recipe("mxfp8")
     s = torch.tensor([3, 5])
+
+    def blocks(T, B):  # a CPU RowBlocks without a kernel launch (row_blocks needs the GPU or the interpreter)
+        return kq.RowBlocks(*_row_blocks_oracle([3, 5], T, B), B)
+
     with pytest.raises(ValueError, match="blocks: made for 8 rows in 128-row blocks"):
-        kq.quantize_wgrad(torch.zeros(8, 6), s, r, blocks=kq.row_blocks(s, 8, 128))
+        kq.quantize_wgrad(torch.zeros(8, 6), s, r, blocks=blocks(8, 128))
     with pytest.raises(ValueError, match="blocks: made for 9 rows"):
-        kq.dequantized_wgrad(torch.zeros(8, 6), s, r, out_dtype=torch.float32, blocks=kq.row_blocks(s, 9, 32))
+        kq.dequantized_wgrad(torch.zeros(8, 6), s, r, out_dtype=torch.float32, blocks=blocks(9, 32))
     with pytest.raises(TypeError, match="blocks: expected a RowBlocks"):
-        kq.quantize_wgrad(torch.zeros(8, 6), s, r, blocks=tuple(kq.row_blocks(s, 8, 32))[:4])
+        kq.quantize_wgrad(torch.zeros(8, 6), s, r, blocks=tuple(blocks(8, 32))[:4])
     with pytest.raises(TypeError, match="x"):
         kq.quantize(torch.zeros(4, 4, dtype=torch.float64), r)
     with pytest.raises(ValueError, match="contiguous"):
         kq.quantize(torch.zeros(4, 6)[:, ::2], r)
     with pytest.raises(ValueError, match="axis"):
         kq.quantize(torch.zeros(2, 4, 6), r, axis=0)
+
+
+def _row_blocks_oracle(splits, T: int, B: int):
+    """The row-block table of ``kq.row_blocks`` in torch ops on CPU int64, written from its docstring
+    (the formulation the kernel replaced): (start, count, rows, NB)."""
+    s = torch.tensor(splits, dtype=torch.int64).clamp(0, T)
+    E = s.numel()
+    nb = -(-T // B) + E
+    cum = torch.cumsum(s, 0)
+    ends, starts = cum.clamp(max=T), (cum - s).clamp(max=T)
+    s = ends - starts
+    blocks = (s + B - 1) // B
+    first = torch.cumsum(blocks, 0) - blocks
+    p = torch.arange(nb)
+    e = torch.searchsorted(first + blocks, p, right=True)
+    ec = e.clamp(max=E - 1)
+    start = starts[ec] + (p - first[ec]) * B
+    valid = e < E
+    count = torch.where(valid, (ends[ec] - start).clamp(0, B), 0)
+    start = torch.where(valid, start, s.sum() + (p - blocks.sum()) * B)
+    t = torch.arange(T)
+    et = torch.searchsorted(ends, t, right=True)
+    etc = et.clamp(max=E - 1)
+    rows = torch.where(et < E, first[etc] * B + t - starts[etc], -1)
+    return start, count.to(torch.int32), rows, nb
+
+
+ROW_BLOCK_CASES = [
+    ([700, 700], 1000, 128),  # a sum past T: the gluon fp8_wgrad GPU case
+    ([-5, 400, 900, 3], 1000, 128),  # negative, then past T
+    ([40, 0, 7, 150], 202, 128),  # capacity rows past Σsplits
+    ([0, 0], 0, 128),  # no rows at all
+    ([3], 5, 32),
+    ([256] * 128, 32768, 128),  # qwen3's shape
+    ([17, 0, 33] * 100, 5000, 16),  # 300 experts (a 512-wide table, 8 indices a program)
+]
+
+
+def check_row_blocks(device: str) -> None:
+    from moemlp.kernels.quant import api as kq
+
+    g = torch.Generator().manual_seed(0)
+    cases = ROW_BLOCK_CASES + [
+        (torch.randint(-3, 60, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist(), T, B)
+        for T, B in ((500, 128), (700, 32), (999, 16))
+    ]
+    for splits, T, B in cases:
+        for dtype in (torch.int32, torch.int64):
+            got = kq.row_blocks(torch.tensor(splits, dtype=dtype, device=device), T, B)
+            want = _row_blocks_oracle(splits, T, B)
+            assert got.nb == want[3] and got.block == B, (splits, T, B)
+            for name, a, b in zip(("start", "count", "rows"), tuple(got)[:3], want[:3]):
+                assert a.dtype == b.dtype and torch.equal(a.cpu(), b), (name, splits[:8], T, B, dtype)
+
+
+@pytest.mark.interpreter_child(seconds=20)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test below covers it")
+def test_row_blocks_match_the_torch_formulation_interpreted():
+    _run_interpreted("check_row_blocks")
+
+
+@pytest.mark.gpu
+def test_row_blocks_match_the_torch_formulation_gpu():
+    check_row_blocks("cuda")
 
 
 @pytest.mark.parametrize(
@@ -223,13 +291,12 @@ def test_launcher_rejects_bad_inputs():
 def test_row_blocks_clamp_splits_as_the_kernels_do(splits, clamped):
     """Splits that are negative or sum past T give the blocks of the splits the GEMM kernels clamp
     them to: no block reads a source row past T (the quantizer's loads are masked by the block's
-    count alone) and the blocks the kernels read are the ones written."""
-    from moemlp.kernels.quant import api as kq
-
+    count alone) and the blocks the kernels read are the ones written (the oracle of the kernel's
+    table, checked against it above)."""
     T = 1000
-    got = kq.row_blocks(torch.tensor(splits), T, 128)
-    want = kq.row_blocks(torch.tensor(clamped), T, 128)
-    for a, b in zip(tuple(got)[:3], tuple(want)[:3]):
+    got = _row_blocks_oracle(splits, T, 128)
+    want = _row_blocks_oracle(clamped, T, 128)
+    for a, b in zip(got[:3], want[:3]):
         assert torch.equal(a, b)
     start, count = got[0], got[1].to(torch.int64)
     used = count > 0  # an unused block (count 0) holds the rows past Σsplits that a dequantizing pass zeroes

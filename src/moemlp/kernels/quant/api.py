@@ -33,7 +33,7 @@ import triton
 from torch import Tensor
 
 from ..gemm.launch import _num_programs
-from .kernels import _amax_kernel, _quantize_kernel, _weight_tiles_kernel, _wgrad_kernel
+from .kernels import _amax_kernel, _quantize_kernel, _row_blocks_kernel, _weight_tiles_kernel, _wgrad_kernel
 
 __all__ = [
     "quantize",
@@ -141,7 +141,7 @@ def quantize(x: Tensor, recipe, axis: int = -1):
     nb = triton.cdiv(K if rowwise else M, block)
     scale_dtype = torch.float32 if rid == _FP8_BLOCK else torch.uint8
     scales = torch.empty(lead + ((M, nb) if rowwise else (nb, K)), dtype=scale_dtype, device=x.device)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    amax = x  # a placeholder: only nvfp4's kernels read the tensor amax
     if rid == _NVFP4:
         amax = tensor_amax(x)
         codes = torch.empty(
@@ -233,15 +233,16 @@ class RowBlocks(NamedTuple):
 
 def row_blocks(splits: Tensor, num_rows: int, block: int, device=None) -> RowBlocks:
     """The row-block layout of (num_rows, ·) wgrad operands quantized in ``block``-row blocks with
-    ``splits`` (torch ops on the device, no host read)."""
+    ``splits`` (one kernel on the device, no host read)."""
     device = splits.device if device is None else device
     return RowBlocks(*_row_blocks(splits, num_rows, block, device), block)
 
 
 def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tensor, Tensor, Tensor, int]:
-    """The expert-aligned row blocks of a (T, K) wgrad operand, with torch ops on the device (no
-    host read): block p covers padded rows [p·B, p·B + B) and source rows [start, start + count);
-    NB = ⌈T/B⌉ + E blocks is the worst case. Splits are clamped to T as the GEMM kernels clamp them. Returns (start int64, count int32, rows int64, NB)
+    """The expert-aligned row blocks of a (T, K) wgrad operand, computed on the device (no host
+    read): block p covers padded rows [p·B, p·B + B) and source rows [start, start + count);
+    NB = ⌈T/B⌉ + E blocks is the worst case. Splits are clamped to T as the GEMM kernels clamp them.
+    Returns (start int64, count int32, rows int64, NB)
     where rows[t] is source row t's padded row, -1 past Σsplits (recipes' ExpertRows layout).
 
     The U = Σ⌈s_e/B⌉ used blocks come first; unused block p ≥ U has count 0 and start Σsplits + (p − U)·B:
@@ -249,29 +250,20 @@ def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tens
     (NB − U)·B ≥ (⌈T/B⌉ − ⌊Σs/B⌋)·B ≥ T − Σs."""
     # Splits clamped as the GEMM kernels clamp them (negative → 0 rows, a running sum past T truncated
     # at T), so that no block reads a source row past T and the kernels' blocks are the ones written.
-    s = splits.to(device=device, dtype=torch.int64).clamp(0, num_rows)
-    num_experts = s.numel()
+    # One launch (_row_blocks_kernel) where the same table as torch ops took ~25, each a host call.
+    splits = splits.to(device=device).contiguous()
+    num_experts = splits.numel()
     nb = triton.cdiv(num_rows, block) + num_experts
-    cum = torch.cumsum(s, 0)
-    ends = cum.clamp(max=num_rows)
-    starts = (cum - s).clamp(max=num_rows)
-    s = ends - starts
-    blocks = (s + block - 1) // block
-    first_block = torch.cumsum(blocks, 0) - blocks
-    p = torch.arange(nb, device=device)
-    e = torch.searchsorted(first_block + blocks, p, right=True)
-    valid = e < num_experts
-    ec = e.clamp(max=max(num_experts - 1, 0))
-    start = starts[ec] + (p - first_block[ec]) * block
-    count = torch.where(valid, (ends[ec] - start).clamp(0, block), torch.zeros_like(start))
-    tail = s.sum() + (p - blocks.sum()) * block  # unused blocks: rows past Σsplits
-    start = torch.where(valid, start, tail)
-    t = torch.arange(num_rows, device=device)
-    et = torch.searchsorted(ends, t, right=True)
-    etc = et.clamp(max=max(num_experts - 1, 0))
-    rows = first_block[etc] * block + t - starts[etc]
-    rows = torch.where(et < num_experts, rows, torch.full_like(rows, -1))
-    return start.contiguous(), count.to(torch.int32).contiguous(), rows, nb
+    start = torch.empty((nb,), dtype=torch.int64, device=device)
+    count = torch.empty((nb,), dtype=torch.int32, device=device)
+    rows = torch.empty((num_rows,), dtype=torch.int64, device=device)
+    eb = max(16, triton.next_power_of_2(num_experts))
+    chunk = max(1, min(256, 4096 // eb))  # a (chunk, eb) comparison a program: ≤ 32 values a thread
+    if max(nb, num_rows):
+        _row_blocks_kernel[(triton.cdiv(max(nb, num_rows), chunk),)](
+            splits, start, count, rows, num_experts, num_rows, nb, B=block, EB=eb, CHUNK=chunk, num_warps=4
+        )
+    return start, count, rows, nb
 
 
 def _wgrad_launch(
@@ -279,7 +271,8 @@ def _wgrad_launch(
 ):
     """Both passes of a wgrad operand: nvfp4's amax pass, then the codes and scales (``out`` None) or
     the values written into ``out`` (T, K). Returns (codes, scales, rows, amax, factor, codes_t), the
-    unused ones None: factor is nvfp4's 1/S_enc for ``out``; codes_t the (K, P) transposed codes.
+    unused ones None (amax: nvfp4's tensor amax): factor is nvfp4's 1/S_enc for ``out``; codes_t the
+    (K, P) transposed codes.
     ``blocks``: the ``row_blocks`` of these splits, rows and block, computed once by the caller."""
     rid = recipe_id(recipe)
     B = recipe.block
@@ -313,7 +306,9 @@ def _wgrad_launch(
             codes = torch.empty((nb * B // (2 if rid == _NVFP4 else 1), K), dtype=torch.uint8, device=t.device)
     elif rid == _NVFP4:
         factor = torch.empty((), dtype=torch.float32, device=t.device)
-    amax = torch.zeros((), dtype=torch.float32, device=t.device)
+    # nvfp4's tensor amax (0 where nothing is launched); the other recipes' kernels never read it, so
+    # t stands in for the pointer rather than a tensor filled on the device every call.
+    amax = torch.zeros((), dtype=torch.float32, device=t.device) if rid == _NVFP4 else t
     # With no rows (T = 0) the launch still runs: every block is padding, so it writes code 0 and an
     # empty block's scale, as the reference does (the outputs are never left uninitialized).
     if K > 0 and nb > 0:
@@ -337,7 +332,7 @@ def _wgrad_launch(
             )  # fmt: skip
     elif factor is not None:
         factor.fill_(1.0)  # no columns: amax 0, S_enc 1
-    return codes, scales, rows, amax, factor, codes_t
+    return codes, scales, rows, amax if rid == _NVFP4 else None, factor, codes_t
 
 
 def quantize_wgrad(

@@ -1,7 +1,8 @@
 """The quantizer kernels: ``_quantize_kernel`` (1-D blocks rowwise or columnwise),
 ``_weight_tiles_kernel`` (fp8_block's 128×128 weight tiles), ``_amax_kernel`` (nvfp4's per-tensor
-amax) and ``_wgrad_kernel`` (a weight-gradient operand's expert-aligned row blocks, nvfp4's
-Hadamard rotation and stochastic rounding). With DEQUANT each writes code·block_scale in the
+amax), ``_row_blocks_kernel`` (the wgrad operands' expert-aligned row-block table) and
+``_wgrad_kernel`` (a weight-gradient operand in those row blocks, nvfp4's Hadamard rotation and
+stochastic rounding). With DEQUANT each writes code·block_scale in the
 input's layout instead of codes and scales. Launched by api.py; the arithmetic is formats.py's.
 """
 
@@ -263,6 +264,56 @@ def _weight_tiles_kernel(
         b = bn
         pm = pmn
         pk = pkn
+
+
+@triton.jit
+def _row_blocks_kernel(
+    splits_ptr,  # (E,) int32 / int64 rows per expert
+    start_ptr,  # (NB,) int64: first source row of each block (unused blocks: the rows past Σsplits)
+    count_ptr,  # (NB,) int32: rows of each block
+    rows_ptr,  # (T,) int64: padded row of each source row, -1 past Σsplits
+    E,
+    T,
+    NB,
+    B: tl.constexpr,  # rows a block
+    EB: tl.constexpr,  # E rounded up to a power of two
+    CHUNK: tl.constexpr,  # blocks and source rows a program
+):
+    """The wgrad operands' expert-aligned row blocks (api.row_blocks), every program computing the
+    expert table from splits (clamped: negative -> 0, a running sum past T truncated at T) and then
+    CHUNK blocks and CHUNK source rows; an index's expert is the number of experts that end at or
+    before it (a sorted search as a (CHUNK, EB) comparison), and its expert's fields are picked by a
+    one-hot sum, so nothing is gathered from memory."""
+    j = tl.arange(0, EB)
+    real = j < E
+    s = tl.load(splits_ptr + j, mask=real, other=0).to(tl.int64)
+    s = tl.minimum(tl.maximum(s, 0), T)
+    cum = tl.cumsum(s, 0)
+    ends = tl.minimum(cum, T)
+    starts = tl.minimum(cum - s, T)
+    n = ends - starts
+    blocks = (n + B - 1) // B
+    block_ends = tl.cumsum(blocks, 0)
+    first_block = block_ends - blocks
+    used = tl.sum(blocks, 0)
+    routed = tl.sum(n, 0)
+    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    p = i.to(tl.int64)
+    # block p: its expert, its first source row and its count
+    e = tl.sum(((block_ends[None, :] <= p[:, None]) & real[None, :]).to(tl.int32), axis=1)
+    pick = j[None, :] == e[:, None]
+    start = tl.sum(tl.where(pick, (starts - first_block * B)[None, :], 0), axis=1) + p * B
+    end = tl.sum(tl.where(pick, ends[None, :], 0), axis=1)
+    valid = e < E
+    count = tl.where(valid, tl.minimum(tl.maximum(end - start, 0), B), 0)
+    start = tl.where(valid, start, routed + (p - used) * B)
+    tl.store(start_ptr + i, start, mask=i < NB)
+    tl.store(count_ptr + i, count.to(tl.int32), mask=i < NB)
+    # source row p: its padded row
+    et = tl.sum(((ends[None, :] <= p[:, None]) & real[None, :]).to(tl.int32), axis=1)
+    pick_t = j[None, :] == et[:, None]
+    row = tl.sum(tl.where(pick_t, (first_block * B - starts)[None, :], 0), axis=1) + p
+    tl.store(rows_ptr + i, tl.where(et < E, row, -1), mask=i < T)
 
 
 @triton.jit
