@@ -451,7 +451,7 @@ def _engine_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, g_h: Tensor, z: Optiona
 
 class WgradBlocks:
     """The row-block layout that every weight-gradient operand of one backward shares under a recipe
-    (the same splits and rows: ~12 small torch ops, computed on first use, once)."""
+    (the same splits and rows: one kernel launch, made on first use, once)."""
 
     def __init__(self, splits: Tensor, num_rows: int, recipe):
         self.splits, self.num_rows, self.recipe = splits, num_rows, recipe
