@@ -174,9 +174,8 @@ def nvfp4_scale_from_amax(amax: Tensor) -> Tensor:
     return tensor_scale_from_amax(amax)
 
 
-# _weight_tiles_kernel: 8 warps, one program per SM (the weights of gpt-oss-120b and mixtral-8x7b at
-# 3.1-3.2 TB/s, 16 warps 3.1, 2 or 4 programs per SM no faster; the former one-tile-per-program
-# kernel's best, 16 warps, 2.2 TB/s).
+# _weight_tiles_kernel: 8 warps, one program per SM, the fastest of the warp counts and programs per
+# SM measured on the model weights (docs/DECISIONS.md, "fp8_block's weight tiles on a persistent kernel").
 _TILE_WARPS = 8
 
 

@@ -2,8 +2,8 @@
 ``_weight_tiles_kernel`` (fp8_block's 128×128 weight tiles), ``_amax_kernel`` (nvfp4's per-tensor
 amax), ``_row_blocks_kernel`` (the wgrad operands' expert-aligned row-block table) and
 ``_wgrad_kernel`` (a weight-gradient operand in those row blocks, nvfp4's Hadamard rotation and
-stochastic rounding). With DEQUANT each writes code·block_scale in the
-input's layout instead of codes and scales. Launched by api.py; the arithmetic is formats.py's.
+stochastic rounding). With DEQUANT each writes code·block_scale in the input's layout instead of
+codes and scales. Launched by api.py; the arithmetic is formats.py's.
 """
 
 from __future__ import annotations
@@ -234,8 +234,8 @@ def _weight_tiles_kernel(
 ):
     """fp8_block's 128×128 tiles over the last two dims, persistent: program p takes tiles p, p + P,
     … (row-major over batch, tile row, tile column) and loads its next tile before it quantizes this
-    one, so each program keeps a load in flight while its stores drain; one tile per program ran
-    at 2.2 TB/s, this at 3.2 (docs/DECISIONS.md)."""
+    one, so each program keeps a load in flight while its stores drain, which one tile per program
+    cannot (docs/DECISIONS.md)."""
     nbm = tl.cdiv(M, 128)
     nbk = tl.cdiv(K, 128)
     total = nbm * nbk * BATCH
