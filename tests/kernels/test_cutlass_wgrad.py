@@ -1,13 +1,15 @@
-"""The bf16 weight gradients on torch._grouped_mm (operands.wgrad without a recipe on an sm_90 GPU):
-float64 accuracy beside the Triton wgrad kernel they replace, exact zeros for an expert with no
-rows, clamped device splits, the bias gradient still from the Triton kernel, the same bits twice."""
+"""The bf16 weight gradients without a recipe on an sm_90 GPU: torch._grouped_mm (CUTLASS) at float64
+accuracy beside the Triton wgrad kernel, exact zeros for an expert with no rows, clamped device
+splits, the same bits twice; and operands.wgrad's choice between it and the Gluon engine
+(gluon.wgrad, the Triton kernel's bits, where experts are small), the bias gradient still from the
+Triton kernel."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moemlp.kernels import operands
+from moemlp.kernels import gluon, operands
 from moemlp.kernels.gemm import launch
 
 # (splits, M, P, Q): one comment per case says what it exercises.
@@ -52,9 +54,15 @@ def test_bf16_wgrad_on_grouped_mm(splits_list, M, P, Q):
     splits = torch.tensor(splits_list, device=dev, dtype=torch.int64)
     bias = torch.zeros(len(splits_list), P, device=dev, dtype=torch.bfloat16)
     assert operands._cutlass_wgrad_ok(g, x, torch.bfloat16)
-    assert not operands._cutlass_wgrad_ok(g, x, torch.float32)  # main_grad's fp32 dW stays on Triton
+    # CUTLASS gives no fp32 dW: main_grad's runs on the engine or the Triton kernel, the same bits
+    assert not operands._cutlass_wgrad_ok(g, x, torch.float32)
+    dw32, _ = operands.wgrad(g, x, splits, None, dtype=torch.bfloat16, dw_dtype=torch.float32)
+    triton_dw32 = torch.empty_like(dw32)
+    launch.launch_grouped_wgrad(g=g, x=x, splits=splits, dw=triton_dw32, db=None,
+                                config=launch.default_config("wgrad", 0, 0, False, 2))  # fmt: skip
+    assert torch.equal(dw32, triton_dw32)
 
-    dw, db = operands.wgrad(g, x, splits, None, dtype=torch.bfloat16, dw_dtype=torch.bfloat16, bias=bias)
+    dw = operands._cutlass_wgrad(g, x, splits)
     ref, rows = _reference(g, x, splits, M)
     assert dw.shape == ref.shape and dw.dtype == torch.bfloat16
     for e, n in enumerate(rows):
@@ -64,15 +72,20 @@ def test_bf16_wgrad_on_grouped_mm(splits_list, M, P, Q):
     # The Triton kernel it replaces, on the same operands: within 2× its error against float64
     # plus one bf16 ulp of the largest value.
     triton_dw = torch.empty_like(dw)
-    triton_db = torch.empty_like(db)
+    triton_db = torch.empty_like(bias)
     launch.launch_grouped_wgrad(g=g, x=x, splits=splits, dw=triton_dw, db=triton_db,
                                 config=launch.default_config("wgrad", 0, 0, False, 2))  # fmt: skip
     err = (dw.double() - ref).abs().max().item()
     triton_err = (triton_dw.double() - ref).abs().max().item()
     assert err <= 2 * triton_err + ref.abs().max().item() * 2.0**-8, (err, triton_err)
+
+    # operands.wgrad: the engine where experts are small (its bits are the Triton kernel's), else CUTLASS
+    dispatched, db = operands.wgrad(g, x, splits, None, dtype=torch.bfloat16, dw_dtype=torch.bfloat16, bias=bias)
+    engine = operands.wgrad_engine(g, x, splits, torch.bfloat16)
+    assert engine == (M <= operands.WGRAD_ENGINE_ROWS * len(splits_list) and not gluon.why_unavailable())
+    assert torch.equal(dispatched, triton_dw if engine else dw)
     db_ref = torch.stack([g[s : s + n].double().sum(0) for s, n in zip(_starts(rows), rows)])
     db_err = (db.double() - db_ref).abs().max().item()
     assert db_err <= 2 * (triton_db.double() - db_ref).abs().max().item() + db_ref.abs().max().item() * 2.0**-8
 
-    again, _ = operands.wgrad(g, x, splits, None, dtype=torch.bfloat16, dw_dtype=torch.bfloat16)
-    assert torch.equal(again, dw), "two runs on the same inputs differ"
+    assert torch.equal(operands._cutlass_wgrad(g, x, splits), dw), "two runs on the same inputs differ"

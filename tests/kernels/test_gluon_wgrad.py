@@ -122,3 +122,149 @@ def test_gpu_matches_the_triton_kernel(splits_list, T, N, K, out_dtype):
     for e, rows in enumerate(splits_list):
         if rows == 0:
             assert (dw[e] == 0).all(), f"expert {e} has no rows: dW must be 0"
+
+
+# ---- bf16 weight gradients (moemlp.kernels.gluon.wgrad) ----
+
+
+def _compile_bf16_sm90(out_fp32: bool):
+    from moemlp.kernels.gluon import _engine, _wgrad
+
+    gl = _compat.gl
+    BM, BN, BK = _launch.WGRAD_BM, _launch.WGRAD_BN, _launch.WGRAD_BK
+
+    def desc(block, dtype):
+        ty = {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype]
+        return f"tensordesc<{dtype}[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, ty)!r}>"
+
+    c = "fp32" if out_fp32 else "bf16"
+    stages = _launch.STAGES_FP32_OUT if out_fp32 else _launch.STAGES
+    constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_N=_launch.WGRAD_GROUP_N, E_BLOCK=128)
+    sig = {"g_desc": desc([BK, BM], "bf16"), "x_desc": desc([BK, BN], "bf16"), "c_desc": desc([BM, BN], c),
+           "c_ptr": f"*{c}", "splits_ptr": "*i32", "E": "i32", "T": "i32", "N": "i32", "K": "i32"}
+    sig.update({name: "constexpr" for name in constexprs})
+    sig = {name: sig[name] for name in _wgrad.wgrad_kernel.arg_names}
+    sass, usage, shared = compile_gluon_sm90(_wgrad.wgrad_kernel, sig, constexprs, ("c_ptr", "splits_ptr", "N", "K"),
+                                             _engine.NUM_WARPS, _engine.MAXNREG)  # fmt: skip
+    return sass, usage, shared, stages
+
+
+@needs_gluon
+@pytest.mark.parametrize("out_fp32", [False, True], ids=["bf16-dW", "fp32-dW"])
+def test_bf16_offline_sm90_compile(out_fp32):
+    sass, usage, shared, stages = _compile_bf16_sm90(out_fp32)
+    # Each consumer's step: one 64-deep wgmma of the 128 × 128 tile = 2 × 4 m64n128k16, both operands
+    # read through transposed views (Gᵀ M-major, X N-major), one group kept in flight (wait 1) in the
+    # loop, the tile's last waited for (wait 0) before its store: no serialized chain.
+    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16 [^;]*tnspA\.tnspB", sass)) == 2 * 8
+    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)) == 2
+    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 2
+    # The masked last step's barrier is its warpgroup's (128 threads on a named barrier), not the CTA's.
+    assert re.search(r"BAR\.SYNC\.DEFER_BLOCKING 0x[1-9a-f], 0x80", sass)
+    loads = len(re.findall(r"\bUTMALDG\.2D\b", sass))
+    assert loads in (2, 4), loads  # one G block and one X block a stage (the producer's loop peeled once)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    assert regs <= 168, usage
+    assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
+    stage = (_launch.WGRAD_BM + _launch.WGRAD_BN) * _launch.WGRAD_BK * 2
+    tiles = 2 * _launch.WGRAD_BM * _launch.WGRAD_BN * (4 if out_fp32 else 2)
+    assert stages * stage + tiles <= shared <= 227 * 1024, shared
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        pytest.param(dict(g=torch.zeros(64, 128).to(torch.float8_e4m3fn)), "bf16", id="fp8-operand"),
+        pytest.param(dict(x=torch.zeros(63, 64, dtype=torch.bfloat16)), "same rows", id="rows-differ"),
+        pytest.param(dict(out_dtype=torch.float16), "bf16 or fp32", id="fp16-dW"),
+        pytest.param(dict(x=torch.zeros(64, 12, dtype=torch.bfloat16)), "multiple of 8", id="K12"),
+        pytest.param(dict(g=torch.zeros(128, 64, dtype=torch.bfloat16)[::2]), "contiguous", id="strided"),
+        pytest.param(dict(experts=257), "1 to 256 experts", id="too-many-experts"),
+        pytest.param(dict(), "not CUDA", id="cpu"),
+    ],
+)
+def test_bf16_supports_names_what_it_cannot_take(change, words):
+    from moemlp.kernels.gluon import wgrad_supports
+
+    args = dict(g=torch.zeros(64, 128, dtype=torch.bfloat16), x=torch.zeros(64, 64, dtype=torch.bfloat16),
+                out_dtype=torch.bfloat16)  # fmt: skip
+    args.update(change)
+    assert words in wgrad_supports(**args)
+
+
+def test_bf16_launcher_rejects_what_supports_names():
+    from moemlp.kernels.gluon import wgrad
+
+    g = torch.zeros(64, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="the engine cannot take these operands: not CUDA"):
+        wgrad(g, g, torch.tensor([64]))
+    with pytest.raises(TypeError, match="1-D int32 or int64"):
+        wgrad(g, g, torch.tensor([64.0]))
+
+
+# (splits, T, N, K): one comment per case
+BF16_GPU_CASES = [
+    # ragged experts, an empty one, row counts not multiples of 64 (masked last steps), N and K
+    # ending in partial tiles (N % 128: a tile straddling the next expert's rows of dW)
+    pytest.param([700, 0, 512, 1300, 33, 900, 400, 251], 4096, 1408 + 8, 1024 + 72, id="ragged"),
+    # small experts of 1 to 2 steps, some exactly 64 or 128 rows (no masked step)
+    pytest.param([128, 1, 255, 256, 64, 63, 65, 129] * 4, 3076, 768, 512, id="small-experts"),
+    pytest.param([1000], 1000, 256, 256, id="one-expert"),
+    pytest.param([700, 700], 1000, 192, 128, id="splits-past-T"),  # the running sum stops at T
+    pytest.param([-5, 40, 30, 0], 100, 64, 64, id="negative-split-and-capacity"),  # rows 70..99: no expert
+    pytest.param([300] * 3 + [0] * 2, 900, 8, 24, id="narrow"),  # N and K below one tile
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("splits_list, T, N, K", BF16_GPU_CASES)
+def test_bf16_gpu_matches_the_triton_kernel(splits_list, T, N, K, out_dtype):
+    from moemlp.kernels.gemm import launch
+    from moemlp.kernels.gluon import wgrad, wgrad_supports, why_unavailable
+
+    if why_unavailable():
+        pytest.skip(why_unavailable())
+    torch.manual_seed(0)
+    g = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    splits = torch.tensor(splits_list, device="cuda", dtype=torch.int64)
+    E = len(splits_list)
+    assert wgrad_supports(g, x, out_dtype, E) == ""
+    dw = wgrad(g, x, splits, out_dtype)
+    ref = torch.empty_like(dw)
+    launch.launch_grouped_wgrad(g=g, x=x, splits=splits, dw=ref, db=None,
+                                config=launch.default_config("wgrad", 0, 0, False, 2))  # fmt: skip
+    torch.cuda.synchronize()
+    assert dw.shape == (E, N, K) and dw.dtype == out_dtype
+    assert torch.equal(dw, ref), f"{int((dw != ref).sum())} of {dw.numel()} dW elements differ from the Triton kernel's"
+    # and against float64 on the clamped rows: the chained fp32 accumulator's error, rounded once
+    rows = splits.clamp(min=0).cumsum(0).clamp(max=T).tolist()
+    start = 0
+    for e, end in enumerate(rows):
+        exact = g[start:end].double().T @ x[start:end].double()
+        bound = (g[start:end].double().abs().T @ x[start:end].double().abs()) * 2.0**-20 + exact.abs() * 2.0**-8
+        assert ((dw[e].double() - exact).abs() <= bound).all(), f"expert {e}"
+        if end == start:
+            assert (dw[e] == 0).all(), f"expert {e} has no rows: dW must be 0"
+        start = end
+    assert torch.equal(wgrad(g, x, splits, out_dtype), dw), "two runs on the same inputs differ"
+
+
+@pytest.mark.gpu
+def test_bf16_gpu_other_experts_rows_do_not_reach_a_masked_step():
+    """Rows of the next expert share the last 64-row TMA block of an expert whose row count is not a
+    multiple of 64; they are zeroed in both operands, so even inf and NaN there leave dW[e] finite."""
+    from moemlp.kernels.gluon import wgrad, why_unavailable
+
+    if why_unavailable():
+        pytest.skip(why_unavailable())
+    torch.manual_seed(0)
+    g = torch.randn(200, 128, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(200, 64, device="cuda", dtype=torch.bfloat16)
+    g[100:], x[100:] = float("inf"), float("nan")  # expert 1's rows
+    dw = wgrad(g, x, torch.tensor([100, 100], device="cuda"))
+    exact = g[:100].double().T @ x[:100].double()
+    assert torch.isfinite(dw[0]).all()
+    assert ((dw[0].double() - exact).abs() <= exact.abs() * 2.0**-7 + 1e-2).all()

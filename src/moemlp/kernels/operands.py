@@ -499,8 +499,9 @@ def wgrad(
     # the recipe's operands first (quantized along the rows), then the launches
     native = is_native(recipe)
     db = torch.empty_like(bias) if bias is not None else None
-    cutlass = recipe is None and x is not None and _cutlass_wgrad_ok(g, x, dw_dtype)
-    dw = None if x is None or native or cutlass else _empty_dw(g, x, splits, dw_dtype)
+    engine = recipe is None and x is not None and wgrad_engine(g, x, splits, dw_dtype)
+    cutlass = recipe is None and x is not None and not engine and _cutlass_wgrad_ok(g, x, dw_dtype)
+    dw = None if x is None or native or cutlass or engine else _empty_dw(g, x, splits, dw_dtype)
     g_op = x_op = None
     if recipe is not None and x is not None:
         rows = (blocks or WgradBlocks(splits, g.shape[0], recipe)).get()
@@ -516,8 +517,8 @@ def wgrad(
             )
     config = launch.default_config("wgrad", 0, 0, False, dtype.itemsize)
     if recipe is None:
-        if cutlass:
-            dw = _cutlass_wgrad(g, x, splits)
+        if cutlass or engine:
+            dw = gluon.wgrad(g, x, splits, dw_dtype) if engine else _cutlass_wgrad(g, x, splits)
             if db is not None:
                 launch.launch_grouped_wgrad(
                     g=g, x=None, splits=splits, dw=None, db=db, config=config, probs=probs, scale_b=scale_bias
@@ -565,6 +566,22 @@ def fp8_wgrad(g_op, x_op, splits: Tensor, T: int, out_dtype: torch.dtype) -> Ten
         return gluon.fp8_wgrad(g_op.codes_t, g_op.scales, x_op.codes_t, x_op.scales, splits, T, out_dtype)
     return launch.fp8_grouped_wgrad(g_t=g_op.codes_t, g_scales=g_op.scales, x_t=x_op.codes_t, x_scales=x_op.scales,
                                     splits=splits, T=T, out_dtype=out_dtype)  # fmt: skip
+
+
+# The bf16 weight gradients run on the engine (``gluon.wgrad``) where experts average at most this
+# many rows (docs/DECISIONS.md, "bf16 weight gradients on the engine where experts are small").
+WGRAD_ENGINE_ROWS = 512
+
+
+def wgrad_engine(g: Tensor, x: Tensor, splits: Tensor, dw_dtype: torch.dtype) -> bool:
+    """Whether the weight gradient on bf16 operands g (M, P) and x (M, Q) runs on the Gluon engine
+    (``gluon.wgrad``, the Triton wgrad kernel's bits) rather than ``torch._grouped_mm`` or the Triton
+    kernel: where ``_gluon_on`` and ``gluon.wgrad_supports`` allow and the experts average at most
+    WGRAD_ENGINE_ROWS rows (host-known sizes, no device read)."""
+    E = splits.shape[0]
+    if not _gluon_on(g) or g.shape[0] > WGRAD_ENGINE_ROWS * E:
+        return False
+    return not gluon.wgrad_supports(g, x, dw_dtype, E)
 
 
 def _empty_dw(g: Tensor, x: Tensor, splits: Tensor, dtype: torch.dtype) -> Tensor:

@@ -7,7 +7,8 @@ fused epilogue (dSwiGLU·probs, z, dprobs partials), which the backward runs whe
 (e4m3 codes with 1×128 and 128×128 block scales) on the engine's cooperative tiles, which the MLP's
 FC2 and FC1_DGRAD run under fp8_block where ``fp8_supports`` allows, as its FC2_DGRAD runs
 ``fc2_dgrad`` on the codes where ``fc2_dgrad_fp8_supports`` does. ``fp8_wgrad`` is fp8_block's
-weight gradient, which the MLP runs where experts are small (``kernels.operands.fp8_wgrad``).
+weight gradient, which the MLP runs where experts are small (``kernels.operands.fp8_wgrad``), and
+``wgrad`` the bf16 one (the Triton wgrad kernel's bits).
 ``fc1`` is FC1 with its GLU epilogue, bf16 or fp8_block: the Triton kernel's bits, but slower
 than that kernel, so the MLP does not call it."""
 
@@ -24,8 +25,11 @@ from ._launch import (
     grouped_gemm,
     grouped_gemm_fp8,
     supports,
+    wgrad,
+    wgrad_supports,
 )
 
 __all__ = ["grouped_gemm", "grouped_gemm_fp8", "supports", "fp8_supports", "fc2_dgrad", "fc2_dgrad_supports",
-           "fc2_dgrad_fp8_supports", "fc1", "fc1_supports", "fp8_wgrad", "fp8_wgrad_supports", "is_available",
+           "fc2_dgrad_fp8_supports", "fc1", "fc1_supports", "fp8_wgrad", "fp8_wgrad_supports", "wgrad",
+           "wgrad_supports", "is_available",
            "missing", "why_unavailable"]

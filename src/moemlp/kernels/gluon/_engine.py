@@ -433,10 +433,13 @@ def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_r
 @gluon.jit
 def _ring(a_desc, b_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
           B_KMAJOR: gl.constexpr, A_PARTS: gl.constexpr):
-    """The operand ring and its barriers, every kernel on the engine: A and B stages (A_PARTS BM-row
-    A blocks a stage), ``ready`` (TMA bytes landed) and ``empty`` (stage released: by each of the
+    """The operand ring and its barriers, every kernel on the engine: A and B stages (A_PARTS A
+    blocks a stage), ``ready`` (TMA bytes landed) and ``empty`` (stage released: by each of the
     A_PARTS consumers reading it) per stage, and the two consumers' ``turn`` pair."""
-    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES * A_PARTS, BM, BK], a_desc.layout)
+    # A's stage blocks are its descriptor's: [BM, BK], or [BK, BM] for an M-major A (the weight
+    # gradients' G rows), read by wgmma through a transposed view.
+    a_block: gl.constexpr = a_desc.block_type.shape
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES * A_PARTS, a_block[0], a_block[1]], a_desc.layout)
     if B_KMAJOR:
         b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
     else:

@@ -651,3 +651,74 @@ def fp8_wgrad(
             num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
     return out
+
+
+# bf16 weight gradients (_wgrad.wgrad_kernel): ping-pong 128 × 128 tiles of dW, 64 rows a step, the
+# engine's 4 stages of (128 + 128) × 64 × 2 B (3 with an fp32 dW, whose two epilogue tiles take 128 KiB).
+WGRAD_BM, WGRAD_BN, WGRAD_BK = 128, 128, 64
+
+
+def wgrad_supports(g: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype, experts: int = 1) -> str:
+    """Why the bf16 weight gradient on the engine cannot take these operands ("" when it can): G (T, N)
+    and X (T, K) bf16, contiguous and 16-byte aligned with 16-byte rows, dW in bf16 or fp32, and 1 to
+    MAX_EXPERTS ``experts`` (no device read)."""
+    if g.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or g.dim() != 2 or x.dim() != 2:
+        return "2-D bf16 operands only"
+    if g.shape[0] != x.shape[0]:
+        return "G and X must have the same rows"
+    if not 0 < experts <= MAX_EXPERTS:
+        return f"1 to {MAX_EXPERTS} experts"
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        return "dW in bf16 or fp32 only"
+    if g.shape[1] % 8 or x.shape[1] % 8:
+        return "N or K not a multiple of 8 (TMA: 16-byte rows)"
+    if not (g.is_contiguous() and x.is_contiguous()) or g.data_ptr() % 16 or x.data_ptr() % 16:
+        return "operands not contiguous and 16-byte aligned"
+    if g.device.type != "cuda" or x.device != g.device:
+        return "not CUDA tensors on one device"
+    return _device_reason(_index(g.device))
+
+
+def wgrad(
+    g: torch.Tensor,  # (T, N) bf16, rows grouped by expert
+    x: torch.Tensor,  # (T, K) bf16
+    splits: torch.Tensor,  # (E,) int32 / int64 on g's device
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """dW (E, N, K) in ``out_dtype``: dW[e] = G[R_e]ᵀ @ X[R_e], one chained fp32 accumulator a tile
+    rounded once, zeros for an expert with no rows: the bits of ``kernels.gemm.launch.launch_grouped_wgrad``
+    on the same operands, on the engine. Splits are clamped on the device (negative → 0 rows, a running
+    sum past T stops at T), never read on the host. Raises where ``wgrad_supports`` names a reason."""
+    if not isinstance(splits, torch.Tensor) or splits.dim() != 1 or splits.dtype not in (torch.int32, torch.int64):
+        raise TypeError("wgrad: splits must be a 1-D int32 or int64 tensor")
+    why = wgrad_supports(g, x, out_dtype, splits.shape[0])
+    if why:
+        raise ValueError(f"wgrad: the engine cannot take these operands: {why}")
+    if splits.device != g.device:
+        raise ValueError(f"wgrad: splits must be on {g.device}, got {splits.device}")
+    from ._compat import TensorDescriptor
+    from ._engine import MAXNREG, NUM_WARPS
+    from ._wgrad import wgrad_kernel
+
+    (T, N), K, E = g.shape, x.shape[1], splits.shape[0]
+    out = torch.empty((E, N, K), dtype=out_dtype, device=g.device)
+    if out.numel() == 0:
+        return out
+    if T == 0:
+        return out.zero_()
+    bind_context(g.device)
+    fp32 = out_dtype == torch.float32
+    g_desc = TensorDescriptor.from_tensor(g, [WGRAD_BK, WGRAD_BM], _smem_layout((WGRAD_BK, WGRAD_BM)))
+    x_desc = TensorDescriptor.from_tensor(x, [WGRAD_BK, WGRAD_BN], _smem_layout((WGRAD_BK, WGRAD_BN)))
+    c2d = out.view(E * N, K)
+    c_desc = TensorDescriptor.from_tensor(c2d, [WGRAD_BM, WGRAD_BN], _smem_layout((WGRAD_BM, WGRAD_BN), fp32))
+    e_block = max(32, 1 << (E - 1).bit_length())
+    tiles = E * -(-N // WGRAD_BM) * -(-K // WGRAD_BN)
+    grid = (min(_num_sms(_index(g.device)), tiles),)
+    with torch.cuda.device(g.device):
+        wgrad_kernel[grid](
+            g_desc, x_desc, c_desc, c2d, splits, E, T, N, K,
+            BM=WGRAD_BM, BN=WGRAD_BN, BK=WGRAD_BK, STAGES=STAGES_FP32_OUT if fp32 else STAGES,
+            GROUP_N=WGRAD_GROUP_N, E_BLOCK=e_block, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        )  # fmt: skip
+    return out
