@@ -138,7 +138,7 @@ def _compile_bf16_sm90(out_fp32: bool):
         return f"tensordesc<{dtype}[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, ty)!r}>"
 
     c = "fp32" if out_fp32 else "bf16"
-    stages = _launch.STAGES_FP32_OUT if out_fp32 else _launch.STAGES
+    stages = _launch.WGRAD_STAGES_FP32_OUT if out_fp32 else _launch.WGRAD_STAGES
     constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_N=_launch.WGRAD_GROUP_N, E_BLOCK=128)
     sig = {"g_desc": desc([BK, BM], "bf16"), "x_desc": desc([BK, BN], "bf16"), "c_desc": desc([BM, BN], c),
            "c_ptr": f"*{c}", "splits_ptr": "*i32", "E": "i32", "T": "i32", "N": "i32", "K": "i32"}
@@ -153,10 +153,11 @@ def _compile_bf16_sm90(out_fp32: bool):
 @pytest.mark.parametrize("out_fp32", [False, True], ids=["bf16-dW", "fp32-dW"])
 def test_bf16_offline_sm90_compile(out_fp32):
     sass, usage, shared, stages = _compile_bf16_sm90(out_fp32)
-    # Each consumer's step: one 64-deep wgmma of the 128 × 128 tile = 2 × 4 m64n128k16, both operands
-    # read through transposed views (Gᵀ M-major, X N-major), one group kept in flight (wait 1) in the
-    # loop, the tile's last waited for (wait 0) before its store: no serialized chain.
-    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16 [^;]*tnspA\.tnspB", sass)) == 2 * 8
+    # Each consumer's step: one BK-deep wgmma of the 128 × 128 tile = 2 × BK/16 m64n128k16, both
+    # operands read through transposed views (Gᵀ M-major, X N-major), one group kept in flight (wait 1)
+    # in the loop, the tile's last waited for (wait 0) before its store: no serialized chain.
+    mmas = len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16 [^;]*tnspA\.tnspB", sass))
+    assert mmas == 2 * 2 * _launch.WGRAD_BK // 16, mmas
     assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)) == 2
     assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 2
     # The masked last step's barrier is its warpgroup's (128 threads on a named barrier), not the CTA's.
@@ -208,7 +209,7 @@ BF16_GPU_CASES = [
     # ragged experts, an empty one, row counts not multiples of 64 (masked last steps), N and K
     # ending in partial tiles (N % 128: a tile straddling the next expert's rows of dW)
     pytest.param([700, 0, 512, 1300, 33, 900, 400, 251], 4096, 1408 + 8, 1024 + 72, id="ragged"),
-    # small experts of 1 to 2 steps, some exactly 64 or 128 rows (no masked step)
+    # small experts of a few steps, some of 64, 128 or 256 rows (whole 32-row steps: no masked one)
     pytest.param([128, 1, 255, 256, 64, 63, 65, 129] * 4, 3076, 768, 512, id="small-experts"),
     pytest.param([1000], 1000, 256, 256, id="one-expert"),
     pytest.param([700, 700], 1000, 192, 128, id="splits-past-T"),  # the running sum stops at T

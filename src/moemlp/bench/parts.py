@@ -20,7 +20,8 @@ the weight gradients. ``grouped_mm`` is the plain GEMM with no epilogue (what th
 runs before its separate elementwise ops). ``gluon`` is the Gluon engine on the same GEMM with the
 weights read in place and no epilogue: bf16 C for fc1, fc2 and fc1_dgrad; for fc2_dgrad the fp32 g_z
 with each 128-deep product promoted (what dprobs' accuracy needs), so that column is the engine's
-speed on the GEMM an unfused FC2_DGRAD would run, not a path moemlp takes.
+speed on the GEMM an unfused FC2_DGRAD would run, not a path moemlp takes; for the weight gradients
+``gluon.wgrad``, which moemlp runs where experts average at most ``operands.WGRAD_ENGINE_ROWS`` rows.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def run_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int) -> 
     gluon = _gluon_ready(device)
     if gluon:
         from ..kernels.gluon import grouped_gemm as gluon_gemm
+        from ..kernels.gluon import wgrad as gluon_wgrad
         from ..kernels.gluon._launch import PROMOTE_DEPTH
     print(f"bench --parts on {device_description(device)}", flush=True)
     rows = []
@@ -115,8 +117,10 @@ def run_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int) -> 
                           (M, H), (H, F)),
             "fc1_dgrad": (fc1_dgrad, lambda: torch._grouped_mm(g_h, w1, offs=offs),
                           lambda: gluon_gemm(g_h, w1, splits, b_layout="kn"), (M, N1), (N1, H)),
-            "fc1_wgrad": (fc1_wgrad, lambda: torch._grouped_mm(g_h.t(), x, offs=offs), None, (N1, M), (M, H)),
-            "fc2_wgrad": (fc2_wgrad, lambda: torch._grouped_mm(dy.t(), z_b, offs=offs), None, (H, M), (M, F)),
+            "fc1_wgrad": (fc1_wgrad, lambda: torch._grouped_mm(g_h.t(), x, offs=offs),
+                          lambda: gluon_wgrad(g_h, x, splits), (N1, M), (M, H)),
+            "fc2_wgrad": (fc2_wgrad, lambda: torch._grouped_mm(dy.t(), z_b, offs=offs),
+                          lambda: gluon_wgrad(dy, z_b, splits), (H, M), (M, F)),
         }
         for name, (kernel, peer, engine, a_shape, b_shape) in parts.items():
             a = torch.randn(a_shape, device=device, dtype=x.dtype)

@@ -9,11 +9,11 @@ shared memory → a TMA store of dW viewed as (E·N, K) when the tile lies in it
 ends the tensor), else a masked store of the rows before the expert's end (``_engine._store_tile``).
 
 ``wgrad_kernel`` (bf16): G (T, N) and X (T, K) as they are, rows grouped by expert. Each step loads
-BK = 64 rows of both from the expert's first row on; the last step of an expert whose row count is
-not a multiple of 64 also holds the next expert's first rows, which the consumer sets to zero in
-shared memory before its wgmma (both operands: 0 · inf would be NaN). The chained fp32 accumulator
-over 64-row steps, full ones first and the masked one last, is the Triton kernel's
-(kernels/gemm/wgrad.py), so the two give the same bits. Consumers: ping-pong 128 × 128 tiles, one
+BK rows of both from the expert's first row on; the last step of an expert whose row count is not a
+multiple of BK also holds the next expert's first rows, which the consumer sets to zero in shared
+memory before its wgmma (both operands: 0 · inf would be NaN). The chained fp32 accumulator, a
+chain of k16 products over the expert's rows in order, zero rows past its end, is the Triton
+kernel's (kernels/gemm/wgrad.py), so the two give the same bits. Consumers: ping-pong 128 × 128 tiles, one
 warpgroup's epilogue (the bf16 tile's store) under the other's mainloop.
 
 ``fp8_wgrad_kernel`` (fp8_block): the operands are ``quantize_wgrad(t, splits, recipe,
