@@ -31,7 +31,6 @@ The workers check that no gloo worker thread is left when destroy_process_group 
 
 import gc
 import os
-import socket
 import sys
 import time
 import traceback
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _ports import rendezvous_port
 from moemlp.moe import MoE
 from moemlp.moe.ep import ExpertParallelError
 
@@ -52,12 +52,6 @@ FAIL_TIMEOUT_S = 5.0  # the group timeout under which a rank that fails mid-exch
 # E = 8 over W = 2, 4, 8 ranks: 4, 2, 1 local experts. Tokens per rank: rank 1 has none.
 H, F, E, K = 16, 24, 8, 2
 TOKENS = (13, 0, 9, 7, 11, 5, 8, 3)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full_weights(device, dtype):
@@ -253,7 +247,7 @@ def _worker(rank, world, port, device_type, dtype, errors):
 
 
 def _spawn(world, device_type, dtype):
-    port = _free_port()
+    port = rendezvous_port()
     errors = mp.get_context("spawn").SimpleQueue()
     procs = mp.start_processes(_worker, args=(world, port, device_type, dtype, errors), nprocs=world,
                                join=False, start_method="spawn")

@@ -15,7 +15,6 @@ another order on one process than over the ranks).
 
 import math
 import os
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _ports import rendezvous_port
 from moemlp.moe import MoE, full_state_dict, full_state_dict_from_shards, load_full_state_dict, sync_replicated_grads
 
 WORLD = 4
@@ -35,12 +35,6 @@ LAYER = dict(hidden_size=H, ffn_hidden_size=F_, num_experts=E, top_k=K, score="s
              routed_scaling_factor=2.0, expert_bias=True, aux_loss_coeff=0.01, z_loss_coeff=0.001,
              num_shared_experts=2, shared_expert_ffn_hidden_size=6, shared_expert_gate=True,
              capacity_factor=0.8, dtype=torch.float64, backend="torch")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _initial_model() -> MoE:
@@ -203,7 +197,7 @@ def _worker(rank, port, errors):
 
 
 def test_ep_checkpoints_and_training_at_world_sizes_1_2_4():
-    port = _free_port()
+    port = rendezvous_port()
     errors = mp.get_context("spawn").SimpleQueue()
     procs = mp.start_processes(_worker, args=(port, errors), nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
