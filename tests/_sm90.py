@@ -96,18 +96,56 @@ def _disassemble(cuobjdump: str, cubin: bytes) -> tuple[str, str]:
     return sass, usage
 
 
-def check_fp8_consumers(sass: str, usage: str, consumer_regs: int = 232, producer_regs: int = 40) -> None:
-    """The engine's FP8 mainloop as its kernels compile it (kernels/gluon/_engine._mainloop_scaled):
-    per consumer warpgroup one 128-deep product a step, BK / 32 = 4 e4m3 wgmma of m64n128k32 (QGMMA),
-    the first from zero, one wait a product and none between the four (nothing serialized); the
-    consumers' and the producer's setmaxnreg; at most 168 registers at launch, no spills."""
+def wgmma_groups(sass: str, op: str) -> list[tuple[int, bool, int | None]]:
+    """The wgmma groups of ``sass`` in program order, each a run of ``op`` instructions with no wait
+    between them: (instructions, whether the first starts from zero (RZ, no accumulator input), the
+    level of the first ``WARPGROUP.DEPBAR.LE gsb0`` after the group: 1 leaves it in flight, 0 waits
+    for it)."""
     import re
 
-    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == 2 * 4
+    groups: list[list] = []
+    open_group = None
+    for line in sass.splitlines():
+        if re.search(rf"\b{re.escape(op)}", line):
+            if open_group is None:
+                open_group = [0, "RZ, !UPT" in line, None]
+                groups.append(open_group)
+            open_group[0] += 1
+        else:
+            m = re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", line)
+            if m:
+                if open_group is not None:
+                    open_group[2] = int(m.group(1), 16)
+                open_group = None
+    return [tuple(g) for g in groups]
+
+
+def check_products_in_flight(sass: str, op: str, per_step: int, chain: int, tail: bool) -> None:
+    """The engine's promoted K loops (kernels/gluon/_engine._mainloop_promoted, _mainloop_scaled) as
+    the two consumer warpgroups compile them: two products of ``chain`` steps of ``per_step`` ``op``
+    a pair, unrolled, and an odd product, each product's first step from zero and every step left in
+    flight by the wait after it (nothing serialized: a serialized loop waits for each wgmma), then,
+    where ``tail``, a K that ends mid-product's one-step product, waited for."""
+    groups = wgmma_groups(sass, op)
+    one = [(per_step, j % chain == 0, 1) for j in range(3 * chain)] + ([(per_step, True, 0)] if tail else [])
+    assert groups == 2 * one, groups
+
+
+def check_fp8_consumers(sass: str, usage: str, consumer_regs: int = 232, producer_regs: int = 40,
+                        in_flight: int = 2) -> None:
+    """The engine's FP8 mainloop as its kernels compile it (kernels/gluon/_engine._mainloop_scaled):
+    per consumer warpgroup one 128-deep product a step, BK / 32 = 4 e4m3 wgmma of m64n128k32 (QGMMA)
+    from zero, two in flight (``check_products_in_flight``), or with one in flight (B scales by
+    column) one product in the loop, waited for; the consumers' and the producer's setmaxnreg; at
+    most 168 registers at launch, no spills."""
+    import re
+
+    op = "QGMMA.64x128x32.F32.E4M3.E4M3"
+    if in_flight == 2:
+        check_products_in_flight(sass, op, 4, 1, False)
+    else:
+        assert wgmma_groups(sass, op) == 2 * [(4, True, 0)], wgmma_groups(sass, op)
     assert not re.search(r"HGMMA", sass)
-    assert sum("RZ, !UPT" in line for line in sass.splitlines() if "QGMMA" in line) == 2
-    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 2
-    assert not re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9]", sass)
     assert re.search(rf"USETMAXREG\.DEALLOC\.CTAPOOL {producer_regs:#x}\b", sass)
     assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, {consumer_regs:#x}\b", sass)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from _sm90 import compile_gluon_sm90
+from _sm90 import check_products_in_flight, compile_gluon_sm90
 from moemlp.kernels.gluon import _compat
 
 needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks: {_compat.missing()}")
@@ -55,21 +55,18 @@ def _compile_sm90(e_block: int, splits_dtype: str, b_kmajor: bool = True, out_fp
 )
 def test_offline_sm90_compile(e_block, splits_dtype, b_kmajor, out_fp32, promote):
     sass, usage, shared = _compile_sm90(e_block, splits_dtype, b_kmajor, out_fp32, promote)
-    # Each consumer warpgroup's k-step is BM/64 m64 halves × BK/16 wgmma of m64n128k16, emitted once
-    # per warpgroup. Promoted (BM = 64, one m64 row block): a chain of promote/BK steps, plus the
-    # one-step product of a K that ends mid-chain when a chain is longer than one step.
-    chain = promote // BK
-    steps = (chain + (1 if chain > 1 else 0)) if promote else 2
+    # Unpromoted, each consumer warpgroup's k-step is BM/64 m64 halves × BK/16 wgmma of m64n128k16,
+    # emitted once per warpgroup.
     hgmma = re.findall(r"HGMMA\.64x128x16\.F32\.BF16(\S*)", sass)
-    assert len(hgmma) == 2 * steps * (BK // 16), len(hgmma)
     if promote:
-        # Each product starts from zero (RZ, no accumulator input); the k16 wgmma of a chain are
-        # issued without a wait between them but one after the chain's first step that leaves it in
-        # flight (ptxas serialized nothing), and each product ends in one wait for all.
-        products = 2 if chain > 1 else 1
-        assert sum("RZ, !UPT" in line for line in sass.splitlines() if "HGMMA" in line) == 2 * products
-        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 2 * products
-        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)) == 2 * (chain - 1)
+        # Promoted (BM = 64, one m64 row block): products of promote/BK steps, two in flight, each
+        # from zero and no wgmma waited for before the next is issued (ptxas serialized nothing),
+        # and, where a product is longer than one step, the one-step product of a K that ends
+        # mid-product.
+        chain = promote // BK
+        check_products_in_flight(sass, "HGMMA.64x128x16.F32.BF16", BK // 16, chain, tail=chain > 1)
+    else:
+        assert len(hgmma) == 2 * 2 * (BK // 16), len(hgmma)
     # The producer's A and B loads; a [BK, BN] = [64, 128] bf16 B block is 256 bytes wide, past the
     # 128-byte swizzle span that one TMA box may cover, so it takes two boxes.
     assert len(re.findall(r"\bUTMALDG\.2D\b", sass)) == (2 if b_kmajor else 3)

@@ -192,91 +192,208 @@ def _mainloop(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexp
 
 
 @gluon.jit
+def _promoted_chain(a_ring, b_ring, ready, empty, it, start, part, prev, total, STAGES: gl.constexpr,
+                    B_KMAJOR: gl.constexpr, CHAIN: gl.constexpr, A_PARTS: gl.constexpr, PART: gl.constexpr):
+    """Issues one CHAIN-step product into ``part`` (its first wgmma from zero) while ``prev``, the
+    product issued before it, finishes: once the first step is issued, the wait for all but one
+    group completes ``prev``, whose last stage goes back and which is added to ``total`` while this
+    product's MMAs run. Later steps wait for the step before them and hand back its stage. Returns
+    (part, still pending; total; ring position). ``start``: the tile's first ring position (the
+    tile's first product has no ``prev``: it adds the zeros it was given and releases nothing)."""
+    for i in gl.static_range(CHAIN):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        part = warpgroup_mma(a_ring.index(s * A_PARTS + PART), _b_operand(b_ring, s, B_KMAJOR), part,
+                             use_acc=i > 0, is_async=True)
+        if i == 0:
+            part, prev = warpgroup_mma_wait(1, deps=(part, prev))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=it > start)
+            total += prev
+            # The add before the next wgmma, which overwrites ``prev``'s registers (``_scaled_step``).
+            total = warpgroup_mma_wait(1, deps=(total,))
+        else:
+            part = warpgroup_mma_wait(1, deps=(part,))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+        it += 1
+    return part, total, it
+
+
+@gluon.jit
 def _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexpr, BM: gl.constexpr,
                        BN: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr, CHAIN: gl.constexpr,
                        A_PARTS: gl.constexpr, PART: gl.constexpr):
     """The K loop with each CHAIN·BK-deep product promoted: the first wgmma of every CHAIN steps starts
-    from zero (``use_acc`` off), the next CHAIN - 1 chain onto it, and the product is waited for and
-    added to the fp32 total with a round-to-nearest add. Hopper's tensor cores add into their
-    accumulator with truncation, so one K-deep chain errs like K·2^-24 with a bias; promoted, each
-    chain is CHAIN·BK deep (docs/DECISIONS.md, "FC2_DGRAD promotes each 64-deep product", "…
-    products 128 deep"). The wait idles this warpgroup's tensor-core work for the add once per chain;
-    64-, 128- and 256-deep products measured level, so that wait is not what bounds the loop. One
-    product in flight: the total and the product are 2 × 64 registers at
-    BM = 64; a second product in flight (3 × 64) exceeds what ptxas allocates under the kernel's
-    168-register launch bound, and it then serializes every wgmma. A operand: ring slot
-    s · A_PARTS + PART (this consumer's rows of a cooperative tile). Returns (total, ring position)
-    with every stage released (by this consumer: a cooperative stage's ``empty`` counts both)."""
+    from zero (``use_acc`` off), the next CHAIN - 1 chain onto it, and the product is added to the
+    fp32 total with a round-to-nearest add. Hopper's tensor cores add into their accumulator with
+    truncation, so one K-deep chain errs like K·2^-24 with a bias; promoted, each chain is CHAIN·BK
+    deep (docs/DECISIONS.md, "FC2_DGRAD promotes each 64-deep product", "… products 128 deep").
+    Two products in flight, in two accumulators taken in turn (``_promoted_chain``): each product is
+    added while the next one's MMAs run, so neither this warpgroup's tensor-core work nor, in a
+    cooperative tile, the other's (both reach a product's end on the same stage) waits for the add.
+    The products are added in K order, one at a time, as with one in flight: the same total bit for
+    bit. Registers: the total and two products, 3 × 64 at BM = 64, within the consumers' 232. A
+    operand: ring slot s · A_PARTS + PART (this consumer's rows of a cooperative tile). Returns
+    (total, ring position) with every stage released (by this consumer: a cooperative stage's
+    ``empty`` counts both)."""
     total = gl.zeros([BM, BN], gl.float32, acc_layout)
-    part = gl.zeros([BM, BN], gl.float32, acc_layout)
-    # Whole chains, unrolled: each wait sits in straight-line code after its wgmma. A wait in one arm
-    # of a runtime branch (a chain's end found at run time) made ptxas serialize every wgmma.
-    for c in range(k_steps // CHAIN):
-        for i in gl.static_range(CHAIN):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            pending = warpgroup_mma(a_ring.index(s * A_PARTS + PART), _b_operand(b_ring, s, B_KMAJOR), part,
-                                    use_acc=i > 0, is_async=True)
-            if i < CHAIN - 1:
-                part = warpgroup_mma_wait(1, deps=(pending,))
-            else:
-                part = warpgroup_mma_wait(0, deps=(pending,))
-            if i > 0:
-                # one wgmma in flight: the chain's previous step has read its stage
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-            it += 1
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))  # the chain's last stage
-        total += part
+    even = gl.zeros([BM, BN], gl.float32, acc_layout)
+    odd = gl.zeros([BM, BN], gl.float32, acc_layout)
+    start = it
+    chains = k_steps // CHAIN
+    # Pairs of chains unrolled, so that the two accumulators keep their registers: each wait sits in
+    # straight-line code after its wgmma (a wait in one arm of a runtime branch with a product still
+    # in flight after it made ptxas serialize every wgmma).
+    for _ in range(chains // 2):
+        even, total, it = _promoted_chain(a_ring, b_ring, ready, empty, it, start, even, odd, total, STAGES,
+                                          B_KMAJOR, CHAIN, A_PARTS, PART)
+        odd, total, it = _promoted_chain(a_ring, b_ring, ready, empty, it, start, odd, even, total, STAGES,
+                                         B_KMAJOR, CHAIN, A_PARTS, PART)
+    # An odd chain count: one more into ``even``; either way the branch ends with nothing in flight.
+    if chains % 2 == 1:
+        even, total, it = _promoted_chain(a_ring, b_ring, ready, empty, it, start, even, odd, total, STAGES,
+                                          B_KMAJOR, CHAIN, A_PARTS, PART)
+        last = warpgroup_mma_wait(0, deps=(even,))
+    else:
+        last = warpgroup_mma_wait(0, deps=(odd,))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=it > start)
+    total += last
     # The last k_steps % CHAIN steps, each its own product (what a CHAIN·BK-deep step of a kernel
     # whose K ends mid-step computes: the missing products are exact zeros).
-    for kk in range(k_steps % CHAIN):
+    for _ in range(k_steps % CHAIN):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        pending = warpgroup_mma(a_ring.index(s * A_PARTS + PART), _b_operand(b_ring, s, B_KMAJOR), part,
+        pending = warpgroup_mma(a_ring.index(s * A_PARTS + PART), _b_operand(b_ring, s, B_KMAJOR), last,
                                 use_acc=False, is_async=True)
-        part = warpgroup_mma_wait(0, deps=(pending,))
+        last = warpgroup_mma_wait(0, deps=(pending,))
         mbarrier.arrive(empty.index(s))
-        total += part
+        total += last
         it += 1
     return total, it
+
+
+# What ``b_s_ptr`` / ``b_s_off`` of the scaled mainloop address: one B scale a tile (FC2_DGRAD,
+# the plain GEMMs), one a half (FC1: the gate half's tile at b_s_ptr, the up half's b_s_off on), or
+# one a column (the weight gradients' X scales, at b_s_ptr + the column offsets b_s_off).
+B_TILE = gl.constexpr(0)
+B_HALVES = gl.constexpr(1)
+B_COLUMNS = gl.constexpr(2)
+
+
+@gluon.jit
+def _b_scales(b_s_ptr, kk, stride_bsk, B_SCALES: gl.constexpr, b_s_off, BN: gl.constexpr, acc_layout: gl.constexpr):
+    """K block kk's B scales (``B_TILE`` …): a scalar, or one a column. The step's offset is added to
+    the scalar base before the column offsets, so that no 64-bit pointer a column stays live across
+    the loop, and the column load takes no mask (either spilled the weight-gradient kernel's
+    consumers). FC1's halves are two scalar loads and a select by column: each register's column is
+    fixed, so the select folds and the two scalars are all that stays live."""
+    base = b_s_ptr + kk * stride_bsk
+    if B_SCALES == B_COLUMNS:
+        b_s = gl.load(base + b_s_off)
+    elif B_SCALES == B_HALVES:
+        cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+        b_s = gl.where(cols < BN // 2, gl.load(base), gl.load(base + b_s_off))
+    else:
+        b_s = gl.load(base)
+    return b_s
+
+
+@gluon.jit
+def _add_scaled(total, part, a_s, b_s, B_SCALES: gl.constexpr):
+    """total + part · (a_s · b_s): the row scales times the tile's B scale, or times each column's."""
+    if B_SCALES == B_TILE:
+        total += part * gl.expand_dims(a_s * b_s, 1)
+    else:
+        total += part * (gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0))
+    return total
+
+
+@gluon.jit
+def _scaled_step(a_ring, b_ring, ready, empty, it, start, kk, part, prev, prev_a, prev_b, total,
+                 acc_layout: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, A_PARTS: gl.constexpr,
+                 PART: gl.constexpr, a_s_ptrs, row_ok, stride_ask, b_s_ptr, stride_bsk, B_SCALES: gl.constexpr,
+                 b_s_off):
+    """Issues K step kk's product into ``part`` (from zero) while ``prev``, the step before it,
+    finishes: the wait for all but one group completes ``prev``, whose stage goes back and which is
+    added to ``total`` scaled by its scales ``prev_a``, ``prev_b`` while this step's MMAs run. This
+    step's scales are loaded after that add (their registers and the previous ones are not live at
+    once) and used at the next step. Returns (part, still pending; its scales; total; ring position)."""
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    part = warpgroup_mma(a_ring.index(s * A_PARTS + PART), b_ring.index(s).permute((1, 0)), part, use_acc=False,
+                         is_async=True)
+    part, prev = warpgroup_mma_wait(1, deps=(part, prev))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=it > start)
+    total = _add_scaled(total, prev, prev_a, prev_b, B_SCALES)
+    # A wait that passes at once (one group is in flight), taking the total: the add is then
+    # computed before the next wgmma is issued. Left free, the compiler moved it past that wgmma,
+    # which overwrites ``prev``'s registers, and kept ``prev`` in a copy: ptxas then serialized every
+    # wgmma (non-wgmma instructions reading an accumulator in flight).
+    total = warpgroup_mma_wait(1, deps=(total,))
+    a_s = gl.load(a_s_ptrs + kk * stride_ask, mask=row_ok, other=0.0)
+    b_s = _b_scales(b_s_ptr, kk, stride_bsk, B_SCALES, b_s_off, BN, acc_layout)
+    return part, prev, a_s, b_s, total, it + 1
 
 
 @gluon.jit
 def _mainloop_scaled(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexpr, BM: gl.constexpr,
                      BN: gl.constexpr, STAGES: gl.constexpr, A_PARTS: gl.constexpr, PART: gl.constexpr, a_s_ptrs,
-                     row_ok, stride_ask, b_s_ptr, stride_bsk, B_COLS: gl.constexpr, b_s_off):
+                     row_ok, stride_ask, b_s_ptr, stride_bsk, B_SCALES: gl.constexpr, b_s_off):
     """The FP8 blockwise K loop (SPEC §3, fp8_block), BK = 128 = one scale block: each step's product
-    is a fresh chain of m64n128k32 e4m3 wgmma, waited for and added to the fp32 total scaled by its
-    rows' A scales times the tile's B scale, ``total += part · (a_s · b_s)`` as the Triton kernel
-    writes it (kernels/gemm/grouped.py, ``_fp8_product``). The step's scales are loaded while its
-    wgmma run. B is K-major (fp8 wgmma reads no transposed operand). ``a_s_ptrs``: this consumer's
-    rows' scale pointers at K block 0; ``b_s_ptr``: the tile's B scale at K block 0, or with B_COLS
-    one scale a column at b_s_ptr + ``b_s_off`` (int32 offsets, every one in bounds: a column past
-    the operand's edge reads some column's scale, multiplies the zeros TMA filled in, and is never
-    stored; FC1's gate and up halves come from two weight tiles, the weight gradients' X scales are
-    per column), each product then scaled by a_s · b_s element by element: the same fp32 products as
-    a scalar b_s gives. The step's offset is added to the scalar base before the column offsets, so
-    no 64-bit pointer a column stays live across the loop, and the load takes no mask (either
-    spilled the weight-gradient kernel's consumers)."""
+    is a fresh chain of m64n128k32 e4m3 wgmma, added to the fp32 total scaled by its rows' A scales
+    times its B scale, ``total += part · (a_s · b_s)`` as the Triton kernel writes it
+    (kernels/gemm/grouped.py, ``_fp8_product``); with B scales by half or by column, each product is
+    scaled by a_s · b_s element by element, the same fp32 products as a scalar b_s gives. B is
+    K-major (fp8 wgmma reads no transposed operand). ``a_s_ptrs``: this consumer's rows' scale
+    pointers at K block 0; ``b_s_ptr``, ``b_s_off``: the B scales at K block 0 as ``B_SCALES`` says
+    (``_b_scales``; column offsets all in bounds: a column past the operand's edge reads some
+    column's scale, multiplies the zeros TMA filled in, and is never stored).
+
+    A scale a tile or a half: two products in flight (``_scaled_step``), in two accumulators taken
+    in turn, each added while the next one's MMAs run, in K order: the total of one in flight, bit
+    for bit. A scale a column: one in flight, its scales loaded while its MMAs run; the column
+    scales of two products and two products do not fit the consumers' 232 registers beside the
+    total (they spilled)."""
     total = gl.zeros([BM, BN], gl.float32, acc_layout)
-    part = gl.zeros([BM, BN], gl.float32, acc_layout)
-    for kk in range(k_steps):
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        pending = warpgroup_mma(a_ring.index(s * A_PARTS + PART), b_ring.index(s).permute((1, 0)), part,
-                                use_acc=False, is_async=True)
-        a_s = gl.load(a_s_ptrs + kk * stride_ask, mask=row_ok, other=0.0)
-        if B_COLS:
-            b_s = gl.load((b_s_ptr + kk * stride_bsk) + b_s_off)
+    if B_SCALES == B_COLUMNS:
+        part = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for kk in range(k_steps):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            pending = warpgroup_mma(a_ring.index(s * A_PARTS + PART), b_ring.index(s).permute((1, 0)), part,
+                                    use_acc=False, is_async=True)
+            a_s = gl.load(a_s_ptrs + kk * stride_ask, mask=row_ok, other=0.0)
+            b_s = _b_scales(b_s_ptr, kk, stride_bsk, B_SCALES, b_s_off, BN, acc_layout)
+            part = warpgroup_mma_wait(0, deps=(pending,))
+            mbarrier.arrive(empty.index(s))
+            total = _add_scaled(total, part, a_s, b_s, B_SCALES)
+            it += 1
+    else:
+        even = gl.zeros([BM, BN], gl.float32, acc_layout)
+        odd = gl.zeros([BM, BN], gl.float32, acc_layout)
+        # The scales of the product in flight; the tile's first step adds zeros scaled by zeros.
+        a_s = gl.where(row_ok, 0.0, 0.0)
+        b_s = _b_scales(b_s_ptr, 0, stride_bsk, B_SCALES, b_s_off, BN, acc_layout) * 0.0
+        start = it
+        for c in range(k_steps // 2):
+            even, odd, a_s, b_s, total, it = _scaled_step(a_ring, b_ring, ready, empty, it, start, 2 * c, even, odd,
+                                                          a_s, b_s, total, acc_layout, BN, STAGES, A_PARTS, PART,
+                                                          a_s_ptrs, row_ok, stride_ask, b_s_ptr, stride_bsk,
+                                                          B_SCALES, b_s_off)
+            odd, even, a_s, b_s, total, it = _scaled_step(a_ring, b_ring, ready, empty, it, start, 2 * c + 1, odd,
+                                                          even, a_s, b_s, total, acc_layout, BN, STAGES, A_PARTS,
+                                                          PART, a_s_ptrs, row_ok, stride_ask, b_s_ptr, stride_bsk,
+                                                          B_SCALES, b_s_off)
+        # An odd step count: one more into ``even``; either way the branch ends with nothing in flight.
+        if k_steps % 2 == 1:
+            even, odd, a_s, b_s, total, it = _scaled_step(a_ring, b_ring, ready, empty, it, start, k_steps - 1,
+                                                          even, odd, a_s, b_s, total, acc_layout, BN, STAGES,
+                                                          A_PARTS, PART, a_s_ptrs, row_ok, stride_ask, b_s_ptr,
+                                                          stride_bsk, B_SCALES, b_s_off)
+            last = warpgroup_mma_wait(0, deps=(even,))
         else:
-            b_s = gl.load(b_s_ptr + kk * stride_bsk)
-        part = warpgroup_mma_wait(0, deps=(pending,))
-        mbarrier.arrive(empty.index(s))
-        if B_COLS:
-            total += part * (gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0))
-        else:
-            total += part * gl.expand_dims(a_s * b_s, 1)
-        it += 1
+            last = warpgroup_mma_wait(0, deps=(odd,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=it > start)
+        total = _add_scaled(total, last, a_s, b_s, B_SCALES)
     return total, it
 
 
@@ -370,16 +487,18 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
                 rows = m0 + row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
                 a_s_ptrs = scale_args[0] + rows.to(gl.int64) * scale_args[1]
                 b_s_ptr = scale_args[3] + e.to(gl.int64) * scale_args[4]
-                cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
-                if B_PARTS == 2:  # each half's 128-row weight tile: the gates', then the ups'
-                    w_rows = _glu_rows(n0, G) + gl.where(cols < TILE_N, 0, G)
-                    b_s_off = (w_rows // 128) * scale_args[5]
+                if B_PARTS == 2:  # each half's 128-row weight tile: the gates', then the ups', G rows on
+                    gate = _glu_rows(n0, G)
+                    b_s_ptr = b_s_ptr + (gate // 128) * scale_args[5]
+                    b_s_off = ((gate + G) // 128 - gate // 128) * scale_args[5]
+                    b_scales: gl.constexpr = B_HALVES
                 else:
                     b_s_ptr = b_s_ptr + (n0 // BN) * scale_args[5]
                     b_s_off = 0
+                    b_scales: gl.constexpr = B_TILE
                 acc, it = _mainloop_scaled(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM, BN,
                                            STAGES, A_PARTS, part, a_s_ptrs, rows < M, scale_args[2], b_s_ptr,
-                                           scale_args[6], B_PARTS == 2, b_s_off)
+                                           scale_args[6], b_scales, b_s_off)
                 if not COOP:
                     mbarrier.arrive(turn.index(1 - WG))
             elif PROMOTE > 0:

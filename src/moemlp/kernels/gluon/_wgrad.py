@@ -42,9 +42,9 @@ from ._compat import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from ._engine import B_COLUMNS, _expert_table, _mainloop_scaled, _ring, _store_tile
 from ._engine import CONSUMER_REGS as BF16_CONSUMER_REGS
 from ._engine import PRODUCER_REGS as BF16_PRODUCER_REGS
-from ._engine import _expert_table, _mainloop_scaled, _ring, _store_tile
 
 # 3 × 168 registers at launch, moved by setmaxnreg: the consumers hold a scale a column of X besides the
 # total and the product in flight, and spilled at the engine's 232; the producer's loop needs few
@@ -117,7 +117,7 @@ def _consumer(g_desc, x_desc, c_desc, c_ptr, g_scale_ptr, stride_gsb, stride_gsn
         g_s_ptrs = g_scale_ptr + first.to(gl.int64) * stride_gsb + rows * stride_gsn
         x_s_base = x_scale_ptr + first.to(gl.int64) * stride_xsb
         acc, it = _mainloop_scaled(a_ring, b_ring, ready, empty, it, count, acc_layout, BM, BN, STAGES, 2, WG,
-                                   g_s_ptrs, rows < N, stride_gsb, x_s_base, stride_xsb, True,
+                                   g_s_ptrs, rows < N, stride_gsb, x_s_base, stride_xsb, B_COLUMNS,
                                    gl.minimum(cols, K - 1) * stride_xsk)
         row0 = e * N
         _store_tile(acc, c_desc, c_ptr, c_tiles.index(WG), row0 + n0, tk * BN, row0 + N, E * N, K, BM, BN)
