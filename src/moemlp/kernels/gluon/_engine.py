@@ -18,8 +18,9 @@ One CTA per SM, 3 partitions (12 warps: 4 + 4 + 1, padded to warpgroups):
 * or, for promoted mainloops, two consumer warpgroups cooperative (A_PARTS = 2): every tile is
   2·BM rows, each stage holds two BM-row A blocks beside one B block, and warpgroup w takes the w-th
   A block of every stage, both issuing wgmma at once (each stage's ``empty`` counts both releases).
-  A promoted mainloop waits on each product before adding it; a second warpgroup's wgmma fill
-  those waits, which ping-pong, one warpgroup issuing at a time, cannot.
+  A promoted mainloop adds each product to its total while the next product's wgmma run (two in
+  flight); both warpgroups issuing at once keeps the tensor cores fed around those adds and the
+  stage waits, which ping-pong, one warpgroup issuing at a time, does less well.
 
 Tiles: (expert, m-tile, n-tile), m-tiles never straddle experts. The expert table is computed in
 every partition from ``splits`` on the device (clamped: negative → 0 rows, a running sum past M

@@ -196,8 +196,8 @@ def grouped_gemm(
     out, done = _out_unless_trivial(out, M, N, K, E, out_dtype, a.device)
     if done:
         return out
-    # Promoted: the total and the product in flight are 2 × 64 registers at 64 rows (2 × 128 at 128
-    # would not fit). Ring 4 × 24 KiB + 2 fp32 C tiles × 32 KiB = 160 KiB.
+    # Promoted: the total and two products in flight are 3 × 64 registers at 64 rows (at 128 rows
+    # they would not fit). Ring 4 × 24 KiB + 2 fp32 C tiles × 32 KiB = 160 KiB.
     bm = BM_PROMOTED if promote else BM
     stages = STAGES if (out_dtype == torch.bfloat16 or promote) else STAGES_FP32_OUT
     b_block = (BN, BK) if kmajor else (BK, BN)
