@@ -26,9 +26,8 @@ import torch
 
 from moemlp import kernels as K
 from moemlp import reference as R
-from moemlp.kernels import gemm as gg
-
 from moemlp.bench.kernels import SHAPES, bench, composition, problem, rel, swiglu_cfg  # noqa: F401
+from moemlp.kernels import gemm as gg
 
 
 def check_shape(name, H, F, E, top_k, tokens, log):

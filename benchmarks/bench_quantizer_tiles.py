@@ -16,10 +16,9 @@ from collections import defaultdict
 
 import torch
 
+from moemlp.bench.kernels import SHAPES, bench
 from moemlp.kernels.quant import api as kq
 from moemlp.recipes import recipe
-
-from moemlp.bench.kernels import SHAPES, bench
 
 ROW_TILES = [(32, 128, 4), (64, 128, 4), (64, 128, 8), (32, 256, 4), (64, 256, 8), (128, 128, 8), (16, 128, 4)]
 COL_TILES = [(64, 4), (128, 4), (128, 8), (256, 8), (32, 4)]

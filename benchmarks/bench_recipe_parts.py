@@ -18,11 +18,10 @@ import os
 
 import torch
 
+from moemlp.bench.kernels import SHAPES, bench
 from moemlp.kernels import gemm as gg
 from moemlp.kernels.quant import api as kq
 from moemlp.recipes import recipe
-
-from moemlp.bench.kernels import SHAPES, bench
 
 
 def main():

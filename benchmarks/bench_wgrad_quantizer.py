@@ -26,10 +26,9 @@ from collections import defaultdict
 
 import torch
 
+from moemlp.bench.kernels import SHAPES, bench
 from moemlp.kernels.quant import api as kq
 from moemlp.recipes import recipe
-
-from moemlp.bench.kernels import SHAPES, bench
 
 TILES = {128: [(128, 8), (64, 8), (64, 4), (32, 4), (128, 16), (256, 16), (32, 8)],
          32: [(128, 4), (64, 4), (256, 4), (128, 8), (256, 8), (64, 2)]}  # fmt: skip

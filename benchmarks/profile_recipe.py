@@ -17,9 +17,8 @@ import argparse
 import torch
 
 from moemlp import quantize_weights
-from moemlp.functional import grouped_mlp
-
 from moemlp.bench.kernels import SHAPES, problem
+from moemlp.functional import grouped_mlp
 
 
 def profile(

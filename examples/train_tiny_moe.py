@@ -99,8 +99,8 @@ class Block(nn.Module):
         self.qkv = nn.Linear(d, 3 * d, bias=False, device=device, dtype=dtype)
         self.proj = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
         self.ln2 = nn.LayerNorm(d, device=device, dtype=dtype)
-        self.moe = MoE(hidden_size=d, ffn_hidden_size=2 * d, num_experts=8, top_k=2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
-                       backend=backend, device=device, dtype=dtype, **moe_kwargs)
+        self.moe = MoE(hidden_size=d, ffn_hidden_size=2 * d, num_experts=8, top_k=2, aux_loss_coeff=1e-2,
+                       z_loss_coeff=1e-3, backend=backend, device=device, dtype=dtype, **moe_kwargs)
 
     def forward(self, x):
         B, S, D = x.shape

@@ -102,7 +102,8 @@ def pytest_sessionfinish(session):
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     """pytest-xdist's controller: collect a finished worker's interpreter-child counts."""
-    _triton_env.CHILD_RESULTS.extend(tuple(r) for r in getattr(node, "workeroutput", {}).get("moemlp_child_results", []))
+    results = getattr(node, "workeroutput", {}).get("moemlp_child_results", [])
+    _triton_env.CHILD_RESULTS.extend(tuple(r) for r in results)
 
 
 def pytest_terminal_summary(terminalreporter):

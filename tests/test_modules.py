@@ -7,8 +7,8 @@ import moemlp
 
 def test_grouped_mlp_module_matches_functional():
     torch.manual_seed(0)
-    m = moemlp.GroupedMLP(num_experts=3, hidden_size=16, ffn_hidden_size=8, activation="geglu", bias=True, scale_fc2_bias=True,
-                          glu_interleave=4, dtype=torch.float64, backend="torch")
+    m = moemlp.GroupedMLP(num_experts=3, hidden_size=16, ffn_hidden_size=8, activation="geglu", bias=True,
+                          scale_fc2_bias=True, glu_interleave=4, dtype=torch.float64, backend="torch")
     assert m.fc1_weight.shape == (3, 16, 16) and m.fc2_weight.shape == (3, 16, 8)
     assert m.fc1_bias.shape == (3, 16) and m.fc2_bias.shape == (3, 16)
     bound = 1 / 16**0.5

@@ -7,7 +7,6 @@ import _triton_env
 import moemlp
 from _cases import make_problem, run
 
-
 # The torch-backend tests run in the parent process only, not again in the interpreter child that
 # runs this file for its Triton cases (2.6 s there).
 in_parent = pytest.mark.skipif(_triton_env.INTERPRET, reason="torch backend: runs in the parent process")

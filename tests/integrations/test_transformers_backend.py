@@ -261,9 +261,12 @@ class _ExpertWeightTensors(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.moemlp.grouped_mlp_fwd.default:
             self.fwd_weights.append((args[3], args[4]))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage().data_ptr() for t in tensors}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and tuple(t.shape) in self.shapes and t.untyped_storage().data_ptr() not in inputs:
+            if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() in inputs:
+                continue
+            if tuple(t.shape) in self.shapes:
                 self.made.append((str(func), tuple(t.shape)))
         return out
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_quant import INTERPRETED_WGRAD_DTYPE, RECIPES, WGRAD_RECIPES, _data, _ties
 
 import _triton_env
 from moemlp.recipes import from_key, recipe
-from test_quant import INTERPRETED_WGRAD_DTYPE, RECIPES, WGRAD_RECIPES, _data, _ties
 
 interpreted = pytest.mark.skipif(
     not _triton_env.RUN_CPU_CASES,

@@ -100,9 +100,10 @@ GPU_CASES = [
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("splits, cap, K, N", GPU_CASES)
 def test_gpu_matches_the_triton_kernel(splits, cap, K, N, out_dtype):
+    from test_gemm_fp8 import GPU_ORDER_BOUND, emulate, fp8_gemm, problem
+
     from moemlp.kernels.gluon import grouped_gemm_fp8, why_unavailable
     from moemlp.recipes import recipe
-    from test_gemm_fp8 import GPU_ORDER_BOUND, emulate, fp8_gemm, problem
 
     if why_unavailable():
         pytest.skip(why_unavailable())

@@ -8,11 +8,10 @@ test's kernels onto the interpreter too.
 
 from __future__ import annotations
 
-
 import pytest
-import _triton_env
 import torch
 
+import _triton_env
 from moemlp.recipes import from_key, recipe
 
 RECIPES = [
@@ -312,7 +311,6 @@ def test_e4m3_rounding_on_hopper_is_the_hardware_conversion_but_for_nvfp4(rid, u
     # cvt.rn.satfinite.e4m3x2.f32 (half the instructions of the integer path), nvfp4's
     # block scales keep the integer path (kernels/quant/, e4m3_code_integer).
     import _sm90
-
     from moemlp.kernels.quant import formats, kernels
 
     if not getattr(formats.HW_E4M3, "value", formats.HW_E4M3):

@@ -7,9 +7,9 @@ test's grouped MLP onto the interpreter too.
 
 
 import pytest
-import _triton_env
 import torch
 
+import _triton_env
 from moemlp.moe import dispatch
 from moemlp.moe.dispatch import permute, permute_probs, plan_dispatch, unpermute
 

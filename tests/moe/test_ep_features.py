@@ -76,7 +76,8 @@ def _check_checkpoints(rank, groups):
     ref = _initial_model()
     # set-up: tokens are dropped (capacity from this rank's T) on some rank, else dropping is untested
     _, idx = ref.router(x)
-    drops = torch.tensor([int(torch.bincount(idx.reshape(-1), minlength=E).max() > math.ceil(x.shape[0] * K / E * 0.8))])
+    most = torch.bincount(idx.reshape(-1), minlength=E).max()
+    drops = torch.tensor([int(most > math.ceil(x.shape[0] * K / E * 0.8))])
     dist.all_reduce(drops)
     assert int(drops) >= 1
     # 1 -> 4: the one-process state loaded on 4 ranks gives the one-process outputs.

@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
-import _triton_env
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import _triton_env
 from moemlp.moe import MoE
 
 
@@ -119,7 +119,8 @@ def test_layer_bf16_within_twice_plain_torch_bf16_error(device, backend):
     written in plain PyTorch bf16 (quack's tolerance idiom), for y and every gradient."""
     H, F_, E, k, T = 32, 48, 8, 2, 64
     torch.manual_seed(0)
-    moe = MoE(hidden_size=H, ffn_hidden_size=F_, num_experts=E, top_k=k, dtype=torch.bfloat16, backend=backend, device=device)
+    moe = MoE(hidden_size=H, ffn_hidden_size=F_, num_experts=E, top_k=k, dtype=torch.bfloat16, backend=backend,
+              device=device)
     with torch.no_grad():
         moe.router.weight.normal_(0.0, 0.3)
     g = torch.Generator().manual_seed(2)
@@ -147,8 +148,9 @@ def check_triton_layer_matches_torch(device):
     """The whole layer on the Triton path (dispatch gathers + grouped-MLP kernels) against the torch
     path, fp32: the same arithmetic, fp32 sums in another order (GEMM tiles)."""
     torch.manual_seed(0)
-    a = MoE(hidden_size=16, ffn_hidden_size=32, num_experts=5, top_k=2, backend="torch", aux_loss_coeff=1e-2, z_loss_coeff=1e-3, device=device)
-    b = MoE(hidden_size=16, ffn_hidden_size=32, num_experts=5, top_k=2, backend="triton", aux_loss_coeff=1e-2, z_loss_coeff=1e-3, device=device)
+    shape = dict(hidden_size=16, ffn_hidden_size=32, num_experts=5, top_k=2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3)
+    a = MoE(**shape, backend="torch", device=device)
+    b = MoE(**shape, backend="triton", device=device)
     b.load_state_dict(a.state_dict())
     x = torch.randn(3, 9, 16, device=device)
     dy = torch.randn(3, 9, 16, device=device)
@@ -267,8 +269,8 @@ def test_layer_rejects_bad_arguments(kwargs, exc, match):
     if "ep_group" in kwargs:
         assert not dist.is_initialized()
     with pytest.raises(exc, match=match):
-        MoE(hidden_size=args.pop("hidden_size"), ffn_hidden_size=args.pop("ffn_hidden_size"), num_experts=args.pop("num_experts"), top_k=args.pop("top_k"),
-            **args)
+        MoE(hidden_size=args.pop("hidden_size"), ffn_hidden_size=args.pop("ffn_hidden_size"),
+            num_experts=args.pop("num_experts"), top_k=args.pop("top_k"), **args)
 
 
 def test_layer_rejects_bad_x():
@@ -289,7 +291,8 @@ def test_cuda_graph_capture_of_forward_backward():
     nonzero, no bincount). Replays on new inputs equal eager runs bit for bit."""
     torch.manual_seed(0)
     H, F_, E, k, T = 256, 512, 8, 2, 512
-    moe = MoE(hidden_size=H, ffn_hidden_size=F_, num_experts=E, top_k=k, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, device="cuda", dtype=torch.bfloat16)
+    moe = MoE(hidden_size=H, ffn_hidden_size=F_, num_experts=E, top_k=k, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
+              device="cuda", dtype=torch.bfloat16)
     params = [p for p in moe.parameters()]
     static_x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     static_dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -334,7 +337,8 @@ def test_torch_compile_fullgraph_of_the_layer():
     # One process, torch backend: router, sort, permute, the grouped-MLP custom op and the k-ordered
     # combine trace into one graph with no break, and give the eager bits.
     torch.manual_seed(0)
-    moe = MoE(hidden_size=32, ffn_hidden_size=16, num_experts=4, top_k=2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, backend="torch")
+    moe = MoE(hidden_size=32, ffn_hidden_size=16, num_experts=4, top_k=2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
+              backend="torch")
     x = torch.randn(10, 32, requires_grad=True)
     params = [x, moe.router.weight, moe.experts.fc1_weight, moe.experts.fc2_weight]
 

@@ -7,10 +7,10 @@ states them), evaluated in float64. Every gradient is compared, the router's and
 import math
 
 import pytest
-import _triton_env
 import torch
 import torch.nn.functional as F
 
+import _triton_env
 from moemlp.moe import MoE
 from moemlp.moe.dispatch import plan_dispatch, plan_dispatch_with_capacity
 from moemlp.moe.router import Router
@@ -50,7 +50,8 @@ def plain_moe(x, p, cfg):
     scores = logits.softmax(-1) if cfg["score"] == "softmax" else logits.sigmoid()
     topk_weights = scores.gather(1, idx)
     if cfg.get("normalize_topk", True):
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg["score"] == "sigmoid" else 0))
+        eps = 1e-20 if cfg["score"] == "sigmoid" else 0
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + eps)
     topk_weights = topk_weights * cfg.get("routed_scaling_factor", 1.0)
 
     routing_map = torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True)
@@ -94,7 +95,8 @@ FEATURE_CASES = [
     pytest.param(16, 12, 40, dict(top_k=4, score="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=2.5,
                                   expert_bias=True, num_shared_experts=2), id="deepseek-v3-groups-bias-2-shared"),
     pytest.param(8, 12, 30, dict(top_k=2, score="softmax", normalize_topk=False, num_shared_experts=1,
-                                 shared_expert_ffn_hidden_size=40, shared_expert_gate=True), id="qwen2-moe-gated-shared"),
+                                 shared_expert_ffn_hidden_size=40, shared_expert_gate=True),
+                 id="qwen2-moe-gated-shared"),
     pytest.param(12, 8, 36, dict(top_k=3, score="softmax", num_groups=3, topk_groups=1), id="groups-softmax-one-group"),
     pytest.param(6, 10, 33, dict(top_k=2, score="softmax", capacity_factor=0.5), id="capacity-probs-drops"),
     pytest.param(6, 10, 33, dict(top_k=2, score="softmax", capacity_factor=0.75, drop_policy="position"),

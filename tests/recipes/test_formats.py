@@ -8,10 +8,9 @@ import math
 
 import pytest
 import torch
+from _recipe_model import FLT_MAX, INF, NAN, codes_u8, f32, model_e8m0
 
-from _recipe_model import f32, FLT_MAX, NAN, INF, model_e8m0, codes_u8
 from moemlp.recipes import _formats as F
-
 
 # --- element formats: hand-computed -----------------------------------------------------------------
 

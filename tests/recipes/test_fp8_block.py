@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 
 import torch
+from _recipe_model import FLT_MAX, HYPOTHESIS, INF, NAN, codes_u8, float_rows, model_fp8_block
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _recipe_model import FLT_MAX, NAN, INF, model_fp8_block, codes_u8, float_rows, HYPOTHESIS
 from moemlp.recipes import recipe
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 import torch
+from _recipe_model import HYPOTHESIS, INF, NAN, codes_u8, float_rows, model_e8m0, model_mxfp8
 from hypothesis import given
 
-from _recipe_model import NAN, INF, model_e8m0, model_mxfp8, codes_u8, float_rows, HYPOTHESIS
 from moemlp.recipes import recipe
 
 

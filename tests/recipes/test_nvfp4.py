@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 
 import torch
+from _recipe_model import FLT_MAX, HYPOTHESIS, INF, NAN, amax_of, codes_u8, f32, float_rows, model_nvfp4, model_s_enc
 from hypothesis import given
 
-from _recipe_model import f32, FLT_MAX, NAN, INF, amax_of, model_s_enc, model_nvfp4, codes_u8, float_rows, HYPOTHESIS
 from moemlp.recipes import recipe
 from moemlp.recipes.nvfp4 import HADAMARD_SIGNS, hadamard16
 

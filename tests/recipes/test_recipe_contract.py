@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _recipe_model import FLT_MAX, HYPOTHESIS, INF, NAN, float_rows
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _recipe_model import FLT_MAX, NAN, INF, float_rows, HYPOTHESIS
 from _cases import make_problem, run
 from moemlp.recipes import from_key, recipe, resolve_recipe
 

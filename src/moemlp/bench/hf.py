@@ -205,8 +205,8 @@ def run_hf_bench(args) -> list[dict]:
             torch.cuda.empty_cache()  # the next model's weights (gpt-oss: 6 GB of experts) start clean
     speed_cols = [c for c in rows[0] if c.endswith("_speedup_vs_grouped_mm")]
     print_table(rows, ["model", "experts_impl", "tokens", "moe_block_ms", "moe_block_expert_tflops",
-                       "moe_block_model_input_ms", "model_ms", "model_gpu_ms", *speed_cols, "routing_max_over_mean_random",
-                       "routing_max_over_mean_model", "rel_diff_block_out"],
+                       "moe_block_model_input_ms", "model_ms", "model_gpu_ms", *speed_cols,
+                       "routing_max_over_mean_random", "routing_max_over_mean_model", "rel_diff_block_out"],
                 "MoE block and one-layer model, forward + backward (bf16; expert FLOPs 18·tokens·k·H·F)")
     path = os.path.join(out, "hf_bench.csv")
     write_csv(path, rows)

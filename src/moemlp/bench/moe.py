@@ -63,7 +63,6 @@ import socket
 import statistics
 import time
 import traceback
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 

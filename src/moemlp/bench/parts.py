@@ -50,9 +50,8 @@ def _gluon_ready(device: torch.device) -> bool:
 
 def run_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int) -> list[dict]:
     """Times the six GEMMs at each shape; prints one table and writes ``parts.csv``."""
-    from ..kernels import is_available, unavailable_reason
+    from ..kernels import is_available, operands, unavailable_reason
     from ..kernels.gemm import launch as launch_mod
-    from ..kernels import operands
 
     if not is_available(device):
         raise SystemExit(

@@ -143,7 +143,7 @@ class LeanMoE(nn.Module):
         self.shared_fc2_weight = None if shared_fc2_weight is None else nn.Parameter(shared_fc2_weight)  # (1, H, Fs)
 
     @classmethod
-    def from_moe(cls, moe) -> "LeanMoE":
+    def from_moe(cls, moe) -> LeanMoE:
         """A copy of a one-device swiglu ``moemlp.MoE`` without biases, capacity or a shared-expert
         gate (what bench --moe builds): its router (deep-copied: same weights, buffers and options)
         and its expert weights, cloned."""

@@ -21,11 +21,12 @@ quantizes both operands along its reduction dim, one of two ways:
   builds its Weights from them (``cached_weights``).
 * emulated (mxfp8, nvfp4): the bf16 kernels run on each operand's dequantized values
   code·block_scale in bf16; nvfp4's per-tensor factors (1/S_enc of each operand) multiply the fp32
-  accumulator (ACC_SCALE, their product taken by the launcher) before any epilogue. A ``quantize.dequantized*`` pass stores the values
-  first (docs/DECISIONS.md: forming them in the GEMM's load path was slower); a weight's two
-  orientations (blocks along its columns for the forward, along its rows for the dgrad) are two
-  passes, both of which ``moemlp.quantize_weights`` can run once per optimizer step instead
-  (``cached_weights``; the backward's dgrads read them through ``dgrad_weights``). Exact for
+  accumulator (ACC_SCALE, their product taken by the launcher) before any epilogue. A
+  ``quantize.dequantized*`` pass stores the values first (docs/DECISIONS.md: forming them in the
+  GEMM's load path was slower); a weight's two orientations (blocks along its columns for the
+  forward, along its rows for the dgrad) are two passes, both of which ``moemlp.quantize_weights``
+  can run once per optimizer step instead (``cached_weights``; the backward's dgrads read them
+  through ``dgrad_weights``). Exact for
   nvfp4 and for every bf16/fp16 source; from an fp32 source (z and g_h always, x and weights
   with fp32 compute) mxfp8 values of a block whose amax is ≤ 1.05e-35 can lie below bf16's
   subnormal grid and round to it (absolute error ≤ 2^-134; ``tiny_blocks_exact=False``), instead

@@ -157,7 +157,7 @@ class ep_failure_exchange:
         self._outer: Optional[ep_failure_exchange] = None
         self._token = None
 
-    def __enter__(self) -> "ep_failure_exchange":
+    def __enter__(self) -> ep_failure_exchange:
         self._outer = _ACTIVE_EXCHANGE.get()
         self._token = _ACTIVE_EXCHANGE.set(self)
         return self

@@ -54,6 +54,7 @@ import triton.language as tl
 
 from .common import expert_table, pick, rounded
 
+
 @triton.jit
 def fp8_wgrad_kernel(
     gt_ptr,  # (N, P) e4m3 codes of Gᵀ, contiguous: padded rows (the reduction) contiguous, K-major

@@ -252,8 +252,8 @@ def _accumulate(a, b, acc, unit, PROMOTE: tl.constexpr, DOT_PRECISION: tl.conste
     fp32 dprobs errors of 2.1e-6 (K = H = 2048) to 7.9e-6 (K = 7168) against float64, on course to
     pass SPEC §1's 1e-5 near K = 9000; promoted every BK = 64 they were 1.6e-7..2.8e-7, every BK =
     128 (FC2_DGRAD's step) 1.7e-7..2.7e-7 (bound BK·2^-23 for any data; docs/DECISIONS.md,
-    "FC2_DGRAD promotes each 64-deep product", "… products 128 deep"). The multiply by ``unit`` (a runtime 1.0) keeps the compiler from folding the add back
-    into the dot's accumulator."""
+    "FC2_DGRAD promotes each 64-deep product", "… products 128 deep"). The multiply by ``unit`` (a
+    runtime 1.0) keeps the compiler from folding the add back into the dot's accumulator."""
     if PROMOTE:
         acc += tl.dot(a, b, input_precision=DOT_PRECISION) * unit
     else:

@@ -75,13 +75,17 @@ def _check(a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: torch.Te
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"grouped_gemm: {name} must be a torch.Tensor, got {type(t).__name__}")
     if b_layout not in ("nk", "kn"):
-        raise ValueError(f"grouped_gemm: b_layout must be 'nk' (B is (E, N, K)) or 'kn' (B is (E, K, N)), got {b_layout!r}")
+        raise ValueError(
+            f"grouped_gemm: b_layout must be 'nk' (B is (E, N, K)) or 'kn' (B is (E, K, N)), got {b_layout!r}"
+        )
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"grouped_gemm: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     if a.dim() != 2:
         raise ValueError(f"grouped_gemm: a must be (M, K), got shape {tuple(a.shape)}")
     if b.dim() != 3:
-        raise ValueError(f"grouped_gemm: b must be (E, {'N, K' if b_layout == 'nk' else 'K, N'}), got shape {tuple(b.shape)}")
+        raise ValueError(
+            f"grouped_gemm: b must be (E, {'N, K' if b_layout == 'nk' else 'K, N'}), got shape {tuple(b.shape)}"
+        )
     if splits.dim() != 1:
         raise ValueError(f"grouped_gemm: splits must be (E,), got shape {tuple(splits.shape)}")
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
