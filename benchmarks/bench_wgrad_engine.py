@@ -2,7 +2,11 @@
 (CUTLASS's varlen-K grouped GEMM, which operands.wgrad ran before) and the Triton wgrad kernel, at the
 four model shapes; then the MLP's forward + backward with the weight gradients on each.
 
-    PYTHONPATH=src python3 benchmarks/bench_wgrad_engine.py [--shapes a,b] [--rep-ms 40] [--sweep]
+    PYTHONPATH=src python3 benchmarks/bench_wgrad_engine.py [--shapes a,b] [--rep-ms 40] [--sweep] [--sweep-fp32]
+
+``--sweep`` times the bf16 dW kernel at other stage counts and n-groups; ``--sweep-fp32`` the fp32
+dW (main_grad) kernel at each (row step, stages) of ``FP32_CONFIGS``, each checked bitwise against
+the launcher's configuration first.
 
 Prediction, written before any measurement (H200): the small-expert weight gradients are bound by
 dW's stores (gpt-oss dW1 writes 4.25 GB, ~1.0 ms at 4.3 TB/s; its MMAs take ~0.7 ms at a dense mm's
@@ -26,6 +30,7 @@ from moemlp import grouped_mlp
 from moemlp.bench.common import GPU_SHAPES, fwd_and_fwd_bwd, routed_problem, time_ms
 from moemlp.kernels import gluon, operands
 from moemlp.kernels.gemm import launch
+from moemlp.kernels.gluon import _launch as gluon_launch
 
 DEV = torch.device("cuda")
 
@@ -37,8 +42,13 @@ def _triton_wgrad(g, x, splits, out_dtype):
     return dw
 
 
-def _sweep_launch(g, x, splits, stages, group_n):
-    """gluon.wgrad's launch with other stage counts and n-groups (the launcher fixes them)."""
+# fp32 dW: (rows a step, stages) that fit sm_90's 227 KiB beside the two 128 × 128 fp32 store tiles
+# (128 KiB): a stage is (128 + 128) · rows · 2 bytes.
+FP32_CONFIGS = ((32, 4), (32, 5), (32, 6), (64, 2), (64, 3))
+
+
+def _sweep_launch(g, x, splits, stages, group_n, bk=None, out_dtype=torch.bfloat16):
+    """gluon.wgrad's launch with other stage counts, n-groups and row steps (the launcher fixes them)."""
     from moemlp.kernels._cuda_context import bind_context
     from moemlp.kernels.gluon import _launch as L
     from moemlp.kernels.gluon._compat import TensorDescriptor
@@ -46,13 +56,13 @@ def _sweep_launch(g, x, splits, stages, group_n):
     from moemlp.kernels.gluon._wgrad import wgrad_kernel
 
     (T, N), K, E = g.shape, x.shape[1], splits.shape[0]
-    out = torch.empty((E, N, K), dtype=torch.bfloat16, device=g.device)
+    out = torch.empty((E, N, K), dtype=out_dtype, device=g.device)
     bind_context(g.device)
-    bm, bn, bk = L.WGRAD_BM, L.WGRAD_BN, L.WGRAD_BK
+    bm, bn, bk = L.WGRAD_BM, L.WGRAD_BN, bk or L.WGRAD_BK
     g_desc = TensorDescriptor.from_tensor(g, [bk, bm], L._smem_layout((bk, bm)))
     x_desc = TensorDescriptor.from_tensor(x, [bk, bn], L._smem_layout((bk, bn)))
     c2d = out.view(E * N, K)
-    c_desc = TensorDescriptor.from_tensor(c2d, [bm, bn], L._smem_layout((bm, bn)))
+    c_desc = TensorDescriptor.from_tensor(c2d, [bm, bn], L._smem_layout((bm, bn), out_dtype == torch.float32))
     tiles = E * -(-N // bm) * -(-K // bn)
     grid = (min(L._num_sms(g.device.index or 0), tiles),)
     wgrad_kernel[grid](g_desc, x_desc, c_desc, c2d, splits, E, T, N, K, BM=bm, BN=bn, BK=bk, STAGES=stages,
@@ -61,7 +71,7 @@ def _sweep_launch(g, x, splits, stages, group_n):
     return out
 
 
-def gemm_rows(shape, rep_ms: int, sweep: bool) -> list[dict]:
+def gemm_rows(shape, rep_ms: int, sweep: bool, sweep_fp32: bool = False) -> list[dict]:
     x, splits, probs, w1, w2, dy = routed_problem(shape, "cuda")
     M, F = shape.rows, shape.ffn
     g_h = torch.randn(M, 2 * F, device="cuda", dtype=torch.bfloat16)
@@ -99,6 +109,13 @@ def gemm_rows(shape, rep_ms: int, sweep: bool) -> list[dict]:
                     assert torch.equal(out, dw), (stages, group_n)
                     row[f"s{stages}g{group_n}_ms"] = time_ms(lambda: _sweep_launch(g, xx, splits, stages, group_n),
                                                              DEV, rep_ms=rep_ms).median  # fmt: skip
+        if sweep_fp32:
+            for bk, stages in FP32_CONFIGS:
+                out = _sweep_launch(g, xx, splits, stages, gluon_launch.WGRAD_GROUP_N, bk, torch.float32)
+                assert torch.equal(out, dw32), (bk, stages)
+                row[f"fp32_k{bk}s{stages}_ms"] = time_ms(
+                    lambda bk=bk, stages=stages: _sweep_launch(g, xx, splits, stages, gluon_launch.WGRAD_GROUP_N, bk, torch.float32),
+                    DEV, rep_ms=rep_ms).median  # fmt: skip
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -132,11 +149,12 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(GPU_SHAPES))
     ap.add_argument("--rep-ms", type=int, default=40)
     ap.add_argument("--sweep", action="store_true", help="also the stage counts and n-groups")
+    ap.add_argument("--sweep-fp32", action="store_true", help="also the fp32 dW kernel's row steps and stages")
     ap.add_argument("--no-step", action="store_true")
     args = ap.parse_args()
     gemms, steps = [], []
     for name in args.shapes.split(","):
-        gemms += gemm_rows(GPU_SHAPES[name], args.rep_ms, args.sweep)
+        gemms += gemm_rows(GPU_SHAPES[name], args.rep_ms, args.sweep, args.sweep_fp32)
     if not args.no_step:
         for name in args.shapes.split(","):
             steps.append(step_row(GPU_SHAPES[name], args.rep_ms))
@@ -152,6 +170,11 @@ def main() -> None:
         print("\nsweep (ms): " + " ".join(keys))
         for r in gemms:
             print(f"{r['shape']:>16} {r['gemm']:>5} " + " ".join(f"{r[k]:.3f}" for k in keys))
+    if args.sweep_fp32:
+        keys = [k for k in gemms[0] if k.startswith("fp32_k")]
+        print("\nfp32 dW sweep (ms; the launcher's own: engine_fp32_ms): " + " ".join(keys))
+        for r in gemms:
+            print(f"{r['shape']:>16} {r['gemm']:>5} {r['engine_fp32_ms']:.3f} " + " ".join(f"{r[k]:.3f}" for k in keys))
     if steps:
         print("\n| shape | fwd+bwd, wgrads on CUTLASS ms | on the engine ms | speedup | dx, dprobs bits equal |")
         print("|---|---|---|---|---|")
