@@ -131,13 +131,40 @@ def check_products_in_flight(sass: str, op: str, per_step: int, chain: int, tail
     assert groups == 2 * one, groups
 
 
+def loop_local_accesses(sass: str) -> tuple[int, int]:
+    """(STL / LDL inside the K loops, STL / LDL anywhere). A loop is a backward branch's span of the
+    SASS; the K loops are those that issue wgmma and no TMA store (a tile loop holds the epilogue's
+    stores). The consumers' layout need not nest: a tile loop's head may follow its K loop."""
+    import re
+
+    ins = []
+    for line in sass.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    loops = []
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    def spans(lo, hi, word):
+        return any(lo <= a <= hi and word in t for a, t in ins)
+
+    k_loops = [(lo, hi) for lo, hi in loops if spans(lo, hi, "GMMA") and not spans(lo, hi, "UTMASTG")]
+    local = [a for a, t in ins if re.search(r"\b(STL|LDL)\b", t)]
+    in_loops = [a for a in local if any(lo <= a <= hi for lo, hi in k_loops)]
+    assert len(k_loops) >= 2, "no K loop found for each consumer"
+    return len(in_loops), len(local)
+
+
 def check_fp8_consumers(sass: str, usage: str, consumer_regs: int = 232, producer_regs: int = 40,
-                        in_flight: int = 2) -> None:
+                        in_flight: int = 2, tile_spills: int = 0) -> None:
     """The engine's FP8 mainloop as its kernels compile it (kernels/gluon/_engine._mainloop_scaled):
     per consumer warpgroup one 128-deep product a step, BK / 32 = 4 e4m3 wgmma of m64n128k32 (QGMMA)
     from zero, two in flight (``check_products_in_flight``), or with one in flight (B scales by
     column) one product in the loop, waited for; the consumers' and the producer's setmaxnreg; at
-    most 168 registers at launch, no spills."""
+    most 168 registers at launch, no spills. ``tile_spills`` > 0 allows that many local-memory
+    accesses outside the K loops (values reloaded once a tile), none inside them."""
     import re
 
     op = "QGMMA.64x128x32.F32.E4M3.E4M3"
@@ -151,4 +178,8 @@ def check_fp8_consumers(sass: str, usage: str, consumer_regs: int = 232, produce
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
     assert regs <= 168, usage
+    if tile_spills:
+        in_loops, total = loop_local_accesses(sass)
+        assert in_loops == 0 and total <= tile_spills, f"{in_loops} local accesses in the K loops, {total} in all"
+        return
     assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"

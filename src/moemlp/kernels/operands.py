@@ -390,6 +390,11 @@ def gemm_on(
             glu_interleave=cfg.glu_interleave, activation_id=cfg.activation.kernel_id, params=params,
             dy_scale=a_op.scales, w2_scale=_tile_scales(b_op, N, K),
         )  # fmt: skip
+    if engine == "fc1":
+        scales = {} if cfg.recipe is None else dict(x_scale=a_op.scales, w1_scale=_tile_scales(b_op, N1, K))
+        gluon.fc1(a_op.a, b_op.b, splits, out, z=z, bias=bias, probs=probs, glu_interleave=cfg.glu_interleave,
+                  activation_id=cfg.activation.kernel_id, params=params, **scales)  # fmt: skip
+        return None
     if engine == "grouped_gemm_fp8":
         gluon.grouped_gemm_fp8(a_op.a, a_op.scales, b_op.b, _tile_scales(b_op, N, K), splits, out,
                                out_dtype=out.dtype)  # fmt: skip
@@ -405,13 +410,15 @@ def gemm_on(
 
 def engine_kernel(kind: str, a_op: ActOperand, b_op: WeightOperand, weight: Weight, *, out: Tensor,
                   bias: Optional[Tensor], h: Optional[Tensor], z: Optional[Tensor], cfg) -> str:
-    """The Gluon kernel that runs this GEMM, "" for the Triton kernel: FC2_DGRAD with its fused
+    """The Gluon kernel that runs this GEMM, "" for the Triton kernel: FC1 with its GLU epilogue
+    ("fc1": fp8_block's codes, and bf16 where K ≤ FC1_ENGINE_MAX_K), FC2_DGRAD with its fused
     epilogue on bf16 ("fc2_dgrad") and on fp8_block's codes ("fc2_dgrad_fp8"), and fp8_block's FC2
     without a bias and FC1_DGRAD ("grouped_gemm_fp8"), where ``_gluon_on`` and ``gluon.*_supports``
-    allow. The Triton kernels give the same bits (tests/kernels/test_gluon_*.py). FC1 stays on the
-    Triton kernel: ``gluon.fc1`` gives its bits but measured slower (docs/DECISIONS.md)."""
+    allow. The Triton kernels give the same bits (tests/kernels/test_gluon_*.py)."""
     if not _gluon_on(a_op.a) or (cfg.recipe is not None and not is_native(cfg.recipe)):
         return ""
+    if kind == "fc1":
+        return "fc1" if _engine_fc1(a_op, b_op, out, z, bias, cfg) else ""
     if cfg.recipe is None:
         return "fc2_dgrad" if kind == "fc2_dgrad" and _engine_fc2_dgrad(a_op.a, weight.w, h, out, z, cfg) else ""
     if kind == "fc2_dgrad":
@@ -422,6 +429,24 @@ def engine_kernel(kind: str, a_op: ActOperand, b_op: WeightOperand, weight: Weig
     if kind in ("fc2", "fc1_dgrad") and bias is None and not gluon.fp8_supports(a_op.a, b_op.b, out):
         return "grouped_gemm_fp8"
     return ""
+
+
+# bf16 FC1 on the engine up to this K (H): there its 128 × 128 ping-pong tiles overlap each tile's GLU
+# epilogue with the other consumer's mainloop and measured 1.02–1.15× the Triton kernel; at H = 7168
+# (deepseek-v3) the long K loop dominates and the Triton kernel's tiles were faster (0.94×).
+# fp8_block's FC1 measured 1.27–1.47× on the engine at every shape (docs/DECISIONS.md).
+FC1_ENGINE_MAX_K = 4096
+
+
+def _engine_fc1(a_op: ActOperand, b_op: WeightOperand, h: Tensor, z: Optional[Tensor], bias: Optional[Tensor],
+                cfg) -> bool:
+    """Whether FC1 runs on the engine (``gluon.fc1``): fp8_block's codes, or bf16 with K ≤
+    FC1_ENGINE_MAX_K, a contiguous bias, and the operands ``gluon.fc1_supports`` takes."""
+    if cfg.recipe is None and a_op.a.shape[1] > FC1_ENGINE_MAX_K:
+        return False
+    if bias is not None and not bias.is_contiguous():
+        return False
+    return not gluon.fc1_supports(a_op.a, b_op.b, h, z, cfg.activation.kernel_id, cfg.glu, cfg.glu_interleave)
 
 
 def _gluon_on(t: Tensor) -> bool:

@@ -9,8 +9,9 @@ FC2 and FC1_DGRAD run under fp8_block where ``fp8_supports`` allows, as its FC2_
 ``fc2_dgrad`` on the codes where ``fc2_dgrad_fp8_supports`` does. ``fp8_wgrad`` is fp8_block's
 weight gradient, which the MLP runs where experts are small (``kernels.operands.fp8_wgrad``), and
 ``wgrad`` the bf16 one (the Triton wgrad kernel's bits).
-``fc1`` is FC1 with its GLU epilogue, bf16 or fp8_block: the Triton kernel's bits, but slower
-than that kernel, so the MLP does not call it."""
+``fc1`` is FC1 with its GLU epilogue, bf16 or fp8_block (the Triton kernel's bits), which the MLP's
+forward runs under fp8_block, and in bf16 where K ≤ ``operands.FC1_ENGINE_MAX_K``, where
+``fc1_supports`` allows."""
 
 from ._compat import is_available, missing, why_unavailable
 from ._launch import (

@@ -13,127 +13,150 @@ m64n128 chain whose first 64 accumulator columns are the gates and the rest thei
 are the engine's TMA producer and two consumer warpgroups:
 
 * bf16 (SCALED off): 128-row tiles in ping-pong, each consumer's K loop one chain into its 128×128
-  accumulator (as the Triton kernel's, unpromoted), while the other consumer's epilogue (h and z
-  stored: 1.5× the bytes the tile's MMAs read of x) runs beside it;
+  accumulator (as the Triton kernel's, unpromoted), while the other consumer's epilogue runs beside it;
 * fp8_block (SCALED): e4m3 codes with their 1×128 and 128×128 scales (_engine._mainloop_scaled) on
   the two 64-row halves of 128-row tiles (cooperative), so that one consumer's promotion overlaps
   the other's wgmma; the two halves' weight scales come from two 128×128 tiles, one scale a column.
 
-Epilogue: the accumulator goes to the warpgroup's fp32 shared tile and is read back in chunks of CW
-columns of gate and of up at once, in a blocked layout (8 consecutive columns a thread), so h's and
-z's stores are row-contiguous vectors. Rows past the expert's end belong to the next expert's tiles
-and are masked; capacity rows (past Σsplits) get zeros in h and z from the capacity tiles, so every
-element is written exactly once. No atomics: the same bits on every run.
+Epilogue, in registers: in the wgmma accumulator layout a thread holds column c and column c + 64 of
+the same rows (the 64 is a register bit of the layout), so the tile splits into its gate and up
+halves without moving data (reshape → permute → split), and the bias, the GLU and the probs are
+applied where the products are. h's gate and up halves and z go to this warpgroup's bf16 / z-dtype
+shared tiles and out by TMA stores, which the next tile's mainloop overlaps. A tile whose rows cross
+its expert's end (unless the expert's end is row M, where TMA's clipping is exact) is stored from the
+same shared tiles by masked 16-byte vectors instead: those rows belong to the next expert's tiles.
+Capacity rows (past Σsplits) get zeros in h and z from the capacity tiles, so every element is
+written exactly once. No atomics: the same bits on every run.
 """
 
 from __future__ import annotations
 
-from ._compat import gl, gluon, warp_specialize
+from ._compat import fence_async_shared, gl, gluon, store_wait, tma_store, warp_specialize
 from ._engine import CONSUMER_REGS, PRODUCER_REGS, _glu_rows, _producer, _ring, _tile_loop
 from ._glu import _glu_forward
 
 
 @gluon.jit
-def _epilogue(g_smem, e, h_ptr, z_ptr, bias_ptr, probs_ptr, m0, n0, row_end, N, N1, p0, p1, p2,
-              BM: gl.constexpr, BN: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr,
-              HAS_BIAS: gl.constexpr, HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr):
-    TILE_N: gl.constexpr = BN // 2
-    epi: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // CW, CW // 8], [4, 1], [1, 0])
-    local = gl.arange(0, BM, layout=gl.SliceLayout(1, epi))
-    rows = m0 + local
-    row_ok = rows < row_end
-    # A 64-bit base per tile plus int32 offsets (BM·N1 < 2^31).
-    h_tile = h_ptr + m0.to(gl.int64) * N1
-    z_tile = z_ptr + m0.to(gl.int64) * N
-    gate0 = _glu_rows(n0, G)  # h's column of the tile's first gate; the tile lies in one G block
-    if HAS_PROBS:
-        p = gl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)  # fp32 probs never rounded
-    for c in gl.static_range(TILE_N // CW):
-        gate = g_smem.slice(c * CW, CW, dim=1).load(epi)
-        up = g_smem.slice(TILE_N + c * CW, CW, dim=1).load(epi)
-        span = c * CW + gl.arange(0, CW, layout=gl.SliceLayout(0, epi))
-        col_ok = n0 + span < N
-        hc = gate0 + span
-        if HAS_BIAS:
-            bias_row = bias_ptr + e.to(gl.int64) * N1
-            gate = gate + gl.load(bias_row + hc, mask=col_ok, other=0.0).to(gl.float32)[None, :]
-            up = up + gl.load(bias_row + hc + G, mask=col_ok, other=0.0).to(gl.float32)[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        h_off = local[:, None] * N1 + hc[None, :]
-        gl.store(h_tile + h_off, gate.to(h_ptr.dtype.element_ty), mask=mask)
-        gl.store(h_tile + h_off + G, up.to(h_ptr.dtype.element_ty), mask=mask)
-        if STORE_Z:
-            z = _glu_forward(gate, up, ACT, p0, p1, p2)  # from the fp32 h
-            if HAS_PROBS:
-                z = z * p[:, None]  # fp32 × fp32: an fp32 probs is never rounded
-            gl.store(z_tile + (local[:, None] * N + (n0 + span)[None, :]), z.to(z_ptr.dtype.element_ty), mask=mask)
+def _masked_store(smem, ptr, m0, col0, ld, row_end, BM: gl.constexpr, W: gl.constexpr):
+    """The rows of a [BM, W] shared tile before ``row_end`` to ptr[m0 + r, col0 + c] (row stride
+    ``ld``), in 16-byte vectors along the row."""
+    VEC: gl.constexpr = 128 // smem.dtype.primitive_bitwidth
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // W, W // VEC], [4, 1], [1, 0])
+    tile = smem.load(layout)
+    rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, layout))
+    # int64: M·N1 reaches 2^31 at 64k rows × 32k columns.
+    offs = rows.to(gl.int64)[:, None] * ld + cols[None, :]
+    gl.store(ptr + offs, tile, mask=(rows < row_end)[:, None])
 
 
 @gluon.jit
-def _zeros(h_ptr, z_ptr, m0, n0, M, N, N1, BM: gl.constexpr, BN: gl.constexpr, CW: gl.constexpr,
-           G: gl.constexpr, STORE_Z: gl.constexpr):
-    """A capacity tile: rows from Σsplits on belong to no expert; their h and z are 0."""
-    TILE_N: gl.constexpr = BN // 2
-    epi: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // CW, CW // 8], [4, 1], [1, 0])
-    local = gl.arange(0, BM, layout=gl.SliceLayout(1, epi))
-    row_ok = m0 + local < M
-    h_tile = h_ptr + m0.to(gl.int64) * N1
-    z_tile = z_ptr + m0.to(gl.int64) * N
-    gate0 = _glu_rows(n0, G)
-    zero = gl.zeros([BM, CW], gl.float32, epi)
-    for c in gl.static_range(TILE_N // CW):
-        span = c * CW + gl.arange(0, CW, layout=gl.SliceLayout(0, epi))
-        mask = row_ok[:, None] & (n0 + span < N)[None, :]
-        h_off = local[:, None] * N1 + (gate0 + span)[None, :]
-        gl.store(h_tile + h_off, zero.to(h_ptr.dtype.element_ty), mask=mask)
-        gl.store(h_tile + h_off + G, zero.to(h_ptr.dtype.element_ty), mask=mask)
+def _zero_rows(ptr, m0, col0, ld, M, BM: gl.constexpr, W: gl.constexpr):
+    """Zeros to ptr[m0 + r, col0 + c] for the rows before M, in 16-byte vectors along the row."""
+    VEC: gl.constexpr = 128 // ptr.dtype.element_ty.primitive_bitwidth
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // W, W // VEC], [4, 1], [1, 0])
+    rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, layout))
+    offs = rows.to(gl.int64)[:, None] * ld + cols[None, :]
+    gl.store(ptr + offs, gl.zeros([BM, W], ptr.dtype.element_ty, layout), mask=(rows < M)[:, None])
+
+
+@gluon.jit
+def _store_h_z(h_desc, z_desc, h_ptr, z_ptr, gate_smem, up_smem, z_smem, m0, n0, gate0, row_end, M, N, N1,
+               BM: gl.constexpr, G: gl.constexpr, STORE_Z: gl.constexpr):
+    """The tile's h halves and z, written to the shared tiles, out to global memory."""
+    TILE_N: gl.constexpr = h_desc.block_type.shape[1]
+    if (m0 + BM <= row_end) | (row_end == M):
+        fence_async_shared()
+        tma_store(h_desc, [m0, gate0], gate_smem)
+        tma_store(h_desc, [m0, gate0 + G], up_smem)
         if STORE_Z:
-            gl.store(z_tile + (local[:, None] * N + (n0 + span)[None, :]), zero.to(z_ptr.dtype.element_ty), mask=mask)
+            tma_store(z_desc, [m0, n0], z_smem)
+    else:
+        _masked_store(gate_smem, h_ptr, m0, gate0, N1, row_end, BM, TILE_N)
+        _masked_store(up_smem, h_ptr, m0, gate0 + G, N1, row_end, BM, TILE_N)
+        if STORE_Z:
+            _masked_store(z_smem, z_ptr, m0, n0, N, row_end, BM, TILE_N)
+
+
+@gluon.jit
+def _halves(acc, BM: gl.constexpr, TILE_N: gl.constexpr):
+    """The accumulator's gate columns (j < TILE_N) and up columns (TILE_N + j): in the wgmma layout
+    both sit in the same thread's registers, so the split moves no data."""
+    return gl.split(acc.reshape([BM, 2, TILE_N]).permute((0, 2, 1)))
 
 
 @gluon.jit
 def _fc1_epilogue(acc, e, m0, n0, row_end, WG: gl.constexpr, args):
-    """The engine's epilogue unit (_engine._tile_loop) for FC1: the tile's fp32 accumulator (gates,
-    then ups) to this warpgroup's shared tile, then ``_epilogue``. ``args`` = (g_tiles, h_ptr, z_ptr,
-    bias_ptr, probs_ptr, M, N, N1, p0, p1, p2, BM, BN, CW, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z); the
-    constexprs are read by index into constexpr names (unpacking would make them runtime values)."""
-    BM: gl.constexpr = args[11]
-    BN: gl.constexpr = args[12]
-    CW: gl.constexpr = args[13]
-    G: gl.constexpr = args[14]
-    ACT: gl.constexpr = args[15]
-    HAS_BIAS: gl.constexpr = args[16]
-    HAS_PROBS: gl.constexpr = args[17]
-    STORE_Z: gl.constexpr = args[18]
-    g_smem = args[0].index(WG)
-    g_smem.store(acc)
-    _epilogue(g_smem, e, args[1], args[2], args[3], args[4], m0, n0, row_end, args[6], args[7], args[8], args[9],
-              args[10], BM, BN, CW, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z)
+    """The engine's epilogue unit (_engine._tile_loop) for FC1. ``args`` = (h_desc, z_desc, h_tiles,
+    z_tiles, h_ptr, z_ptr, bias_ptr, probs_ptr, M, N, N1, p0, p1, p2, BM, BN, G, ACT, HAS_BIAS,
+    HAS_PROBS, STORE_Z, SCALED); the constexprs are read by index into constexpr names (unpacking would make
+    them runtime values)."""
+    BM: gl.constexpr = args[14]
+    BN: gl.constexpr = args[15]
+    G: gl.constexpr = args[16]
+    ACT: gl.constexpr = args[17]
+    HAS_BIAS: gl.constexpr = args[18]
+    HAS_PROBS: gl.constexpr = args[19]
+    STORE_Z: gl.constexpr = args[20]
+    TILE_N: gl.constexpr = BN // 2
+    h_desc = args[0]
+    z_desc = args[1]
+    gate, up = _halves(acc, BM, TILE_N)
+    layout: gl.constexpr = gate.type.layout
+    gate0 = _glu_rows(n0, G)  # h's column of the tile's first gate; the tile lies in one G block
+    if HAS_BIAS:
+        cols = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, layout))
+        bias_row = args[6] + e.to(gl.int64) * args[10] + gate0
+        gate = gate + gl.load(bias_row + cols).to(gl.float32)[None, :]
+        up = up + gl.load(bias_row + G + cols).to(gl.float32)[None, :]
+    gate_smem = args[2].index(2 * WG)
+    up_smem = args[2].index(2 * WG + 1)
+    z_smem = args[3].index(WG)
+    store_wait(0)  # this warpgroup's previous TMA stores have finished reading its shared tiles
+    gate_smem.store(gate.to(h_desc.dtype))
+    up_smem.store(up.to(h_desc.dtype))
+    if STORE_Z:
+        z = _glu_forward(gate, up, ACT, args[11], args[12], args[13])  # from the fp32 h
+        if HAS_PROBS:
+            rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+            p = gl.load(args[7] + rows, mask=rows < row_end, other=0.0).to(gl.float32)
+            z = z * p[:, None]  # fp32 × fp32: an fp32 probs is never rounded
+        z_smem.store(z.to(z_desc.dtype))
+    _store_h_z(h_desc, z_desc, args[4], args[5], gate_smem, up_smem, z_smem, m0, n0, gate0, row_end, args[8],
+               args[9], args[10], BM, G, STORE_Z)
 
 
 @gluon.jit
 def _fc1_capacity(m0, n0, WG: gl.constexpr, args):
-    BM: gl.constexpr = args[11]
-    BN: gl.constexpr = args[12]
-    CW: gl.constexpr = args[13]
-    G: gl.constexpr = args[14]
-    STORE_Z: gl.constexpr = args[18]
-    _zeros(args[1], args[2], m0, n0, args[5], args[6], args[7], BM, BN, CW, G, STORE_Z)
+    """A capacity tile: rows from Σsplits on belong to no expert; their h and z are 0, stored from
+    registers (no shared tile: its addresses would stay live through the mainloop)."""
+    BM: gl.constexpr = args[14]
+    BN: gl.constexpr = args[15]
+    G: gl.constexpr = args[16]
+    STORE_Z: gl.constexpr = args[20]
+    TILE_N: gl.constexpr = BN // 2
+    M = args[8]
+    gate0 = _glu_rows(n0, G)
+    _zero_rows(args[4], m0, gate0, args[10], M, BM, TILE_N)
+    _zero_rows(args[4], m0, gate0 + G, args[10], M, BM, TILE_N)
+    if STORE_Z:
+        _zero_rows(args[5], m0, n0, args[9], M, BM, TILE_N)
 
 
 @gluon.jit
-def _consumer(a_desc, b_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, stride_asm, stride_ask, b_scale_ptr,
-              stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles,
-              ready, empty, turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, CW: gl.constexpr,
-              G: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PROBS: gl.constexpr,
-              STORE_Z: gl.constexpr, SCALED: gl.constexpr, A_PARTS: gl.constexpr):
+def _consumer(a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, stride_asm,
+              stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2,
+              a_ring, b_ring, h_tiles, z_tiles, ready, empty, turn, WG: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+              E_BLOCK: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
+              HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, SCALED: gl.constexpr, A_PARTS: gl.constexpr):
     # fp8_block: cooperative tiles (A_PARTS = 2) and the scaled mainloop, whose promotion the engine
     # counts as PROMOTE = 1; bf16: ping-pong (A_PARTS = 1), one unpromoted chain a tile.
     PROMOTE: gl.constexpr = A_PARTS - 1
     _tile_loop(_fc1_epilogue, _fc1_capacity,
-               (g_tiles, h_ptr, z_ptr, bias_ptr, probs_ptr, M, N, N1, p0, p1, p2, BM, BN, CW, G, ACT, HAS_BIAS,
-                HAS_PROBS, STORE_Z),
+               (h_desc, z_desc, h_tiles, z_tiles, h_ptr, z_ptr, bias_ptr, probs_ptr, M, N, N1, p0, p1, p2, BM, BN,
+                G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED),
                a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK,
                True, PROMOTE, A_PARTS, SCALED,
                (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk),
@@ -144,8 +167,10 @@ def _consumer(a_desc, b_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, st
 def fc1_kernel(
     a_desc,  # x (M, H) bf16 or its e4m3 codes (SCALED), rows grouped by expert; block [BM, BK]
     b_desc,  # W1 (E·N1, H) bf16 or its e4m3 codes, K-major; block [BN / 2, BK] (a gate or an up half of a stage)
-    h_ptr,  # (M, N1) bf16, written
-    z_ptr,  # (M, F) bf16 or fp32, written (STORE_Z)
+    h_desc,  # h (M, N1) bf16, written; block [BM, BN / 2]
+    z_desc,  # z (M, F) bf16 or fp32, written (STORE_Z; else h's, unused); block [BM, BN / 2]
+    h_ptr,  # h's and z's storage, for the masked stores of tiles that cross an expert's end
+    z_ptr,
     bias_ptr,  # (E, N1) fc1_bias (HAS_BIAS)
     probs_ptr,  # (M,) fp32 / bf16 / fp16 (HAS_PROBS)
     # SCALED: (M, ⌈H/128⌉) fp32 1×128 scales of x's codes, row m's of K block kb at m·stride_asm + kb·stride_ask
@@ -172,7 +197,6 @@ def fc1_kernel(
     STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
     E_BLOCK: gl.constexpr,
-    CW: gl.constexpr,  # epilogue column chunk (of gate and of up)
     G: gl.constexpr,  # GLU interleave: gate / up blocks of G columns, a multiple of BN / 2
     ACT: gl.constexpr,
     HAS_BIAS: gl.constexpr,
@@ -182,20 +206,25 @@ def fc1_kernel(
     A_PARTS: gl.constexpr,  # 2: cooperative 2·BM-row tiles (SCALED); 1: ping-pong BM-row tiles (bf16)
 ):
     gl.static_assert(A_PARTS == 1 + SCALED, "fp8_block on cooperative tiles, bf16 in ping-pong")
+    gl.static_assert(h_desc.block_type.shape[1] == BN // 2, "h's and z's blocks: a tile's 64 columns")
     a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, True, A_PARTS)
-    g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
-    g_tiles = gl.allocate_shared_memory(gl.float32, [2, BM, BN], g_layout)
+    # Each consumer's shared tiles: h's gate and up halves (2·WG, 2·WG + 1), and z (WG).
+    h_tiles = gl.allocate_shared_memory(h_desc.dtype, [4, BM, BN // 2], h_desc.layout)
+    if STORE_Z:
+        z_tiles = gl.allocate_shared_memory(z_desc.dtype, [2, BM, BN // 2], z_desc.layout)
+    else:
+        z_tiles = h_tiles  # never written: STORE_Z is off
     # The argument tuples are written out in the call: a tuple bound to a name first would turn its
     # constexprs into runtime values.
     warp_specialize([
-        (_consumer, (a_desc, b_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, stride_asm, stride_ask,
-                     b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring,
-                     b_ring, g_tiles, ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, CW, G, ACT,
-                     HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS)),
-        (_consumer, (a_desc, b_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, stride_asm, stride_ask,
-                     b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring,
-                     b_ring, g_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, CW, G, ACT,
-                     HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS)),
+        (_consumer, (a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, stride_asm,
+                     stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1,
+                     p2, a_ring, b_ring, h_tiles, z_tiles, ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M,
+                     E_BLOCK, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS)),
+        (_consumer, (a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, stride_asm,
+                     stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1,
+                     p2, a_ring, b_ring, h_tiles, z_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M,
+                     E_BLOCK, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                      GROUP_M, E_BLOCK, True, A_PARTS, 2, G, N1)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

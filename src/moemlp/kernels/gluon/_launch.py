@@ -31,11 +31,13 @@ MAX_EXPERTS = 256
 # of 64 × 128 (bf16 16 KiB each, fp32 32 KiB).
 FP8_BM, FP8_BK, FP8_STAGES = 64, 128, 4
 # FC1 (_fc1.py): 64 output columns a tile (its 64 gates and 64 ups make the 128-column accumulator),
-# the epilogue reading CW columns of gate and of up at once. fp8_block on the FP8 tiles above; bf16 on
-# 128-row ping-pong tiles, whose fp32 epilogue tiles (2 × 64 KiB) leave room for 3 stages of
-# (128 + 128) × 64 × 2 B = 32 KiB: 224 KiB of the 227.
-FC1_CW = 32
-FC1_BM, FC1_STAGES = 128, 3
+# each consumer's epilogue tiles h's gate and up halves in bf16 and z, BM × 64 each. bf16 on 128-row
+# ping-pong tiles: 2 × (16 + 16 + 16) KiB of epilogue tiles with a bf16 z leave room for 4 stages of
+# (128 + 128) × 64 × 2 B = 32 KiB, 224 KiB of the 227; an fp32 z (32 KiB a consumer) leaves 3.
+# fp8_block on the FP8 tiles above: 2 × (8 + 8 + 16) KiB with z in fp32 and 5 stages of 32 KiB (224
+# KiB); 5 measured 1.04× 4 at 1024 and 2048 rows an expert, 0.97× at 256 (docs/DECISIONS.md).
+FC1_BM, FC1_STAGES = 128, 4
+FC1_FP8_STAGES = 5
 
 
 @functools.cache
@@ -512,10 +514,11 @@ def fc1_supports(x: torch.Tensor, w1: torch.Tensor, h: torch.Tensor, z: torch.Te
         return f"gate / up blocks of G columns, G a multiple of {BN // 2} dividing F"
     if not (x.is_contiguous() and w1.is_contiguous()) or x.data_ptr() % 16 or w1.data_ptr() % 16:
         return "operands not contiguous and 16-byte aligned"
-    if h.dtype != torch.bfloat16 or not h.is_contiguous():
-        return "h must be a contiguous bf16 tensor"
-    if z is not None and (z.dtype not in (torch.bfloat16, torch.float32) or not z.is_contiguous()):
-        return "z must be a contiguous bf16 or fp32 tensor"
+    if h.dtype != torch.bfloat16 or not h.is_contiguous() or h.data_ptr() % 16:
+        return "h must be a contiguous, 16-byte aligned bf16 tensor (TMA stores)"
+    if z is not None and (z.dtype not in (torch.bfloat16, torch.float32) or not z.is_contiguous()
+                          or z.data_ptr() % 16):  # fmt: skip
+        return "z must be a contiguous, 16-byte aligned bf16 or fp32 tensor (TMA stores)"
     if x.device.type != "cuda":
         return "not a CUDA tensor"
     return _device_reason(_index(x.device))
@@ -560,11 +563,21 @@ def fc1(
         raise ValueError(f"fc1: bias must be a contiguous ({E}, {N1}), got {tuple(bias.shape)}")
     if M == 0 or F == 0:
         return
-    bm, bk, stages, a_parts = (FP8_BM, FP8_BK, FP8_STAGES, 2) if scaled else (FC1_BM, BK, FC1_STAGES, 1)
+    if scaled:
+        bm, bk, stages, a_parts = FP8_BM, FP8_BK, FC1_FP8_STAGES, 2
+    else:
+        fp32_z = z is not None and z.dtype == torch.float32
+        bm, bk, stages, a_parts = FC1_BM, BK, FC1_STAGES - fp32_z, 1
     layout = _fp8_smem_layout if scaled else _smem_layout
     bind_context(x.device)
     a_desc = TensorDescriptor.from_tensor(x, [bm, bk], layout((bm, bk)))
     b_desc = TensorDescriptor.from_tensor(w1.view(E * N1, H), [BN // 2, bk], layout((BN // 2, bk)))
+    out_block = (bm, BN // 2)
+    h_desc = TensorDescriptor.from_tensor(h, list(out_block), _smem_layout(out_block))
+    if z is not None:
+        z_desc = TensorDescriptor.from_tensor(z, list(out_block), _smem_layout(out_block, z.dtype == torch.float32))
+    else:
+        z_desc = h_desc  # never used: STORE_Z is off
     if scaled:
         scale_args = (x_scale, x_scale.stride(0), x_scale.stride(1), w1_scale, *w1_scale.stride())
     else:
@@ -575,10 +588,10 @@ def fc1(
     dummy = h  # never dereferenced: the constexpr flags switch its loads and stores off
     with torch.cuda.device(x.device):
         fc1_kernel[grid](
-            a_desc, b_desc, h, z if z is not None else dummy, bias if bias is not None else dummy,
+            a_desc, b_desc, h_desc, z_desc, h, z if z is not None else dummy, bias if bias is not None else dummy,
             probs if probs is not None else dummy, *scale_args, splits, E, M, F, H, N1,
             float(params[0]), float(params[1]), float(params[2]),
-            BM=bm, BN=BN, BK=bk, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, CW=FC1_CW, G=glu_interleave,
+            BM=bm, BN=BN, BK=bk, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, G=glu_interleave,
             ACT=activation_id, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, STORE_Z=z is not None,
             SCALED=scaled, A_PARTS=a_parts, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
