@@ -10,6 +10,15 @@ path (``MOEMLP_GLUON=0`` keeps it on Triton; the engine's tile mode the library'
 Triton kernel and an engine of the same depth are checked bitwise against each other.
 
     PYTHONPATH=src python3 benchmarks/bench_fc2_dgrad.py [--shapes a,b] [--rep-ms 100] [--depths ...] [--triton-bk ...]
+        [--staged] [--no-step]
+
+``--staged`` also times the engine with its staged epilogue (the fp32 accumulator through shared
+memory, ``_launch.DGRAD_REGS`` off) where the register epilogue applies (bf16, G a multiple of 128).
+
+Prediction for the register epilogue, written before its first GPU run (H200, % of a dense mm):
+cooperative tiles, whose epilogue is exposed, mixtral 68 → ~78 and deepseek-v3 74 → ~82; ping-pong
+qwen3 46 → ~50 (its epilogue is hidden already; h by TMA and fewer instructions); gpt-oss unchanged
+(F = 2880 is not a multiple of 128: the staged epilogue).
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ def _dprobs_float64(dy, w2, h, splits, F):
     return dprobs
 
 
-def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int]) -> dict:
+def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], staged: bool = False,
+                step_too: bool = True) -> dict:
     dev = torch.device("cuda")
     x, splits, probs, w1, w2, dy = routed_problem(shape, dev)
     M, H, F = shape.rows, shape.hidden, shape.ffn
@@ -64,11 +74,16 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int]) ->
                                               z=z, h=h, dprobs_partials=True, config=config)  # fmt: skip
         return run
 
-    def engine_path(depth, cooperative):
+    def engine_path(depth, cooperative, regs=True):
         def run(g_h, z):
-            return gluon.fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True,
-                                   glu_interleave=F, activation_id=0, params=(0.0, 0.0, 0.0), promote_depth=depth,
-                                   cooperative=cooperative)  # fmt: skip
+            saved = gluon_launch.DGRAD_REGS
+            gluon_launch.DGRAD_REGS = regs and saved
+            try:
+                return gluon.fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True,
+                                       glu_interleave=F, activation_id=0, params=(0.0, 0.0, 0.0),
+                                       promote_depth=depth, cooperative=cooperative)  # fmt: skip
+            finally:
+                gluon_launch.DGRAD_REGS = saved
         return run
 
     def dprobs_of(part):
@@ -79,9 +94,13 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int]) ->
     ref = _dprobs_float64(dy, w2, h, splits, F)
     paths = {"triton": triton_path(default.BK), "gluon": engine_path(gluon_launch.PROMOTE_DEPTH, False),
              "gluon_coop": engine_path(gluon_launch.PROMOTE_DEPTH, cooperative=True)}
+    if staged:
+        paths.update({"gluon_staged": engine_path(gluon_launch.PROMOTE_DEPTH, False, regs=False),
+                      "gluon_coop_staged": engine_path(gluon_launch.PROMOTE_DEPTH, True, regs=False)})
     paths.update({f"triton_bk{bk}": triton_path(bk) for bk in triton_bks})
     paths.update({f"gluon_d{d}": engine_path(d, False) for d in depths})
-    depth_of = {"triton": default.BK, "gluon": gluon_launch.PROMOTE_DEPTH, "gluon_coop": gluon_launch.PROMOTE_DEPTH}
+    depth_of = {"triton": default.BK, "gluon": gluon_launch.PROMOTE_DEPTH, "gluon_coop": gluon_launch.PROMOTE_DEPTH,
+                "gluon_staged": gluon_launch.PROMOTE_DEPTH, "gluon_coop_staged": gluon_launch.PROMOTE_DEPTH}
     depth_of.update({f"triton_bk{bk}": bk for bk in triton_bks})
     depth_of.update({f"gluon_d{d}": d for d in depths})
     outs = {}
@@ -118,7 +137,7 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int]) ->
     def step():
         return torch.autograd.grad(grouped_mlp(x, splits, probs, w1, w2), leaves, dy)
 
-    for name, env in (("step_triton", "0"), ("step_gluon", "1")):
+    for name, env in (("step_triton", "0"), ("step_gluon", "1")) if step_too else ():
         os.environ["MOEMLP_GLUON"] = env
         try:
             row[f"{name}_ms"] = time_ms(step, dev, rep_ms=rep_ms).median
@@ -133,6 +152,8 @@ def main() -> None:
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--depths", default="", help="engine promoted-product depths to time beside the default")
     p.add_argument("--triton-bk", default="", help="Triton K steps to time beside the default")
+    p.add_argument("--staged", action="store_true", help="also time the engine with the staged fp32 epilogue")
+    p.add_argument("--no-step", action="store_true", help="skip the forward + backward of grouped_mlp")
     args = p.parse_args()
     depths = [int(d) for d in args.depths.split(",") if d]
     triton_bks = [int(b) for b in args.triton_bk.split(",") if b]
@@ -141,16 +162,17 @@ def main() -> None:
         raise SystemExit(f"the Gluon engine cannot run here: {reason}")
     rows = []
     for name in args.shapes.split(","):
-        rows.append(bench_shape(GPU_SHAPES[name], args.rep_ms, depths, triton_bks))
+        rows.append(bench_shape(GPU_SHAPES[name], args.rep_ms, depths, triton_bks, args.staged, not args.no_step))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    names = ["triton", "gluon", "gluon_coop"] + [f"triton_bk{b}" for b in triton_bks] + [f"gluon_d{d}" for d in depths]
+    names = (["triton", "gluon", "gluon_coop"] + (["gluon_staged", "gluon_coop_staged"] if args.staged else [])
+             + [f"triton_bk{b}" for b in triton_bks] + [f"gluon_d{d}" for d in depths])
     print_table(rows, ["shape"] + [f"{n}_dprobs_err" for n in names],
                 "FC2_DGRAD: dprobs against float64 on the same h (SPEC §1: ≤ 1e-6)")
     print_table(rows, ["shape", "rows_per_expert"] + [f"{n}_pct_mm" for n in names],
                 "FC2_DGRAD with its epilogue and the dprobs reduce, % of a dense torch.mm of the same FLOPs")
-    print_table(rows, ["shape", "step_triton_ms", "step_gluon_ms"],
-                "forward + backward of grouped_mlp, median ms")
+    if not args.no_step:
+        print_table(rows, ["shape", "step_triton_ms", "step_gluon_ms"], "forward + backward of grouped_mlp, median ms")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ from moemlp.kernels.gluon import _compat, _launch
 needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks: {_compat.missing()}")
 
 
-def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str, a_parts: int = 1, scaled: bool = False):
+def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str, a_parts: int = 1, scaled: bool = False,
+                  regs: bool = False):
     """Compiles the fused FC2_DGRAD for sm_90 without a GPU; returns (sass, -res-usage, shared bytes).
     ``scaled``: fp8_block's kernel (e4m3 codes, 128-deep scaled steps, fp32 g_h and z)."""
     from moemlp.kernels.gluon import _engine, _fc2_dgrad
@@ -27,14 +28,16 @@ def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str, a_parts: int = 1
     code, ty = ("fp8e4nv", gl.float8e4nv) if scaled else ("bf16", gl.bfloat16)
     out = "fp32" if scaled else "bf16"
 
-    def desc(block):
+    def desc(block, code=code, ty=ty):
         return f"tensordesc<{code}[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, ty)!r}>"
 
     chain = 1 if scaled else _launch.PROMOTE_DEPTH // BK
     constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=_launch.STAGES, GROUP_M=_launch.GROUP_M, E_BLOCK=128,
                       B_KMAJOR=b_kmajor, CW=_launch.DGRAD_CW, G=G, CHAIN=chain, ACT=act, HAS_PROBS=True,
-                      STORE_Z=True, STORE_PARTIAL=True, A_PARTS=a_parts, SCALED=scaled)  # fmt: skip
-    sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN, BK] if b_kmajor else [BK, BN]), "h_ptr": "*bf16",
+                      STORE_Z=True, STORE_PARTIAL=True, A_PARTS=a_parts, SCALED=scaled, REGS=regs)  # fmt: skip
+    out_desc = desc([BM, BN], "bf16", gl.bfloat16)
+    sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN, BK] if b_kmajor else [BK, BN]), "h_desc": out_desc,
+           "gh_desc": out_desc, "z_desc": out_desc, "h_ptr": "*bf16",
            "gh_ptr": f"*{out}", "z_ptr": f"*{out}", "probs_ptr": f"*{probs}", "part_ptr": "*fp32",
            "a_scale_ptr": "*fp32", "stride_asm": "i32", "stride_ask": "i32", "b_scale_ptr": "*fp32",
            "stride_bse": "i32", "stride_bsn": "i32", "stride_bsk": "i32",
@@ -83,6 +86,27 @@ def test_offline_sm90_compile(b_kmajor, G, act, probs, a_parts):
 
 @needs_gluon
 @pytest.mark.parametrize("a_parts", [1, 2], ids=["pingpong", "cooperative"])
+@pytest.mark.parametrize("act", [0, 1], ids=["swiglu", "clamped"])
+def test_offline_sm90_compile_register_epilogue(a_parts, act):
+    """The epilogue in the accumulator's layout (bf16, G a multiple of 128): the same promoted
+    mainloop, no spill, h's gate and up tiles by TMA and g_h's halves and z out by TMA (a consumer's
+    two loads and three stores, both consumers), the fp32 staging tiles gone: the ring plus each
+    consumer's bf16 gate, up and z tiles of 64 × 128, within 227 KiB."""
+    sass, usage, shared = _compile_sm90(False, 768, act, "fp32", a_parts, regs=True)
+    check_products_in_flight(sass, "HGMMA.64x128x16.F32.BF16", _launch.BK // 16, 2, tail=True)
+    assert len(re.findall(r"\bUTMASTG\.2D\b", sass)) == 2 * 3
+    # two h loads a consumer beside the producer's (the staged kernel's count: a_parts + 2)
+    assert len(re.findall(r"\bUTMALDG\.2D\b", sass)) == a_parts + 2 + 2 * 2
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    assert regs <= 168, usage
+    assert not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
+    stage = (a_parts * _launch.BM_PROMOTED + _launch.BN) * _launch.BK * 2
+    tiles = 2 * 3 * _launch.BM_PROMOTED * _launch.BN * 2
+    assert _launch.STAGES * stage + tiles <= shared <= 227 * 1024, shared
+
+
+@needs_gluon
+@pytest.mark.parametrize("a_parts", [1, 2], ids=["pingpong", "cooperative"])
 def test_offline_sm90_compile_fp8(a_parts):
     """fp8_block's kernel (mixtral / deepseek: W2's K-major codes, G = F): per warpgroup one 128-deep
     product a step, BK / 32 = 4 e4m3 wgmma of m64n128k32 from zero, one wait each, no spill."""
@@ -119,6 +143,8 @@ CASES = [
                  id="splits-past-M"),  # the running sum is clamped at M
     pytest.param([64] * 16, 1024, 512, 256, "clamped_swiglu", (7.0, 1.702, 1.0), None, False, torch.float32, True,
                  id="64-row-experts"),  # every expert one 64-row tile
+    pytest.param([300, 0, 5, 250, 100], 700, 256, 256, "swiglu", (), 128, False, torch.bfloat16, False,
+                 id="G128-capacity-bf16probs-noz"),  # the register epilogue: blocks of 128, 45 capacity rows
 ]
 
 

@@ -439,7 +439,8 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
     promoted only): every tile is 2·BM rows, and warpgroup WG takes rows WG·BM on of each, both
     issuing wgmma at once on the same B stages. A real tile runs the mainloop (promoted when
     PROMOTE > 0) and hands its fp32 accumulator to the epilogue unit, ``epilogue(acc, e, m0, n0,
-    row_end, WG, args)`` with e the tile's expert and m0 this warpgroup's first row; a capacity tile
+    row_end, count, WG, args)`` with e the tile's expert, m0 this warpgroup's first row and count the
+    number of real tiles this warpgroup took before (a barrier's phase); a capacity tile
     (rows from Σsplits on) calls ``capacity(m0, n0, WG, args)``. ``args`` is the unit's own tuple: the
     kernel's outputs, sizes and constexprs. SCALED: the FP8 blockwise mainloop (``_mainloop_scaled``),
     ``scale_args`` = (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn,
@@ -514,7 +515,7 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
                 mbarrier.arrive(turn.index(1 - WG))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-            epilogue(acc, e, m0 + row0, n0, row_end, WG, args)
+            epilogue(acc, e, m0 + row0, n0, row_end, (j - first) // step, WG, args)
         else:
             cap = t - real_tiles
             capacity(routed + (cap // n_tiles) * TILE_M + row0, (cap % n_tiles) * TILE_N, WG, args)
@@ -522,7 +523,7 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
 
 
 @gluon.jit
-def _plain_epilogue(acc, e, m0, n0, row_end, WG: gl.constexpr, args):
+def _plain_epilogue(acc, e, m0, n0, row_end, count, WG: gl.constexpr, args):
     """The plain GEMM's unit: the tile rounded to C's dtype and stored. ``args`` = (c_desc, c_ptr,
     c_tiles, M, N, BM, BN); its constexprs are read by index into constexpr names (unpacking a tuple
     would turn them into runtime values)."""

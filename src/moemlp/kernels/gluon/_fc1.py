@@ -87,7 +87,7 @@ def _halves(acc, BM: gl.constexpr, TILE_N: gl.constexpr):
 
 
 @gluon.jit
-def _fc1_epilogue(acc, e, m0, n0, row_end, WG: gl.constexpr, args):
+def _fc1_epilogue(acc, e, m0, n0, row_end, count, WG: gl.constexpr, args):
     """The engine's epilogue unit (_engine._tile_loop) for FC1. ``args`` = (h_desc, z_desc, h_tiles,
     z_tiles, h_ptr, z_ptr, bias_ptr, probs_ptr, M, N, N1, p0, p1, p2, BM, BN, G, ACT, HAS_BIAS,
     HAS_PROBS, STORE_Z, SCALED); the constexprs are read by index into constexpr names (unpacking would make

@@ -33,14 +33,26 @@ the outputs is written exactly once. No atomics: the same bits on every run.
 
 from __future__ import annotations
 
-from ._compat import gl, gluon, warp_specialize
+from ._compat import (
+    expect_bytes,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    store_wait,
+    tma_load,
+    tma_store,
+    warp_specialize,
+)
 from ._engine import (
     CONSUMER_REGS,
     PRODUCER_REGS,
+    _glu_rows,
     _producer,
     _ring,
     _tile_loop,
 )
+from ._fc1 import _masked_store
 from ._glu import _glu_backward
 
 
@@ -155,11 +167,100 @@ def _zeros(gh_ptr, z_ptr, part_ptr, m0, n0, M, N, N1, BM: gl.constexpr, BN: gl.c
 
 
 @gluon.jit
-def _dgrad_epilogue(acc, e, m0, n0, row_end, WG: gl.constexpr, args):
+def _regs_part(g_z, gate_smem, up_smem, z_smem, p_rows, args):
+    """One column quarter of ``_regs_epilogue``: h's gate and up of these columns read in g_z's layout,
+    g_h written over them and z to its tile; returns the quarter's Σ g_z·a per row."""
+    ACT: gl.constexpr = args[16]
+    HAS_PROBS: gl.constexpr = args[17]
+    STORE_Z: gl.constexpr = args[18]
+    layout: gl.constexpr = g_z.type.layout
+    gate = gate_smem.load(layout).to(gl.float32)
+    up = up_smem.load(layout).to(gl.float32)
+    a, d_gate, d_up = _glu_backward(gate, up, ACT, args[9], args[10], args[11])
+    g_a = g_z
+    if HAS_PROBS:
+        p = gl.convert_layout(p_rows, gl.SliceLayout(1, layout))
+        g_a = g_z * p[:, None]
+    gate_smem.store((g_a * d_gate).to(gate_smem.dtype))
+    up_smem.store((g_a * d_up).to(up_smem.dtype))
+    if STORE_Z:
+        z = a
+        if HAS_PROBS:
+            z = a * p[:, None]
+        z_smem.store(z.to(z_smem.dtype))
+    return gl.sum(g_z * a, axis=1)
+
+
+@gluon.jit
+def _regs_epilogue(g_z, m0, n0, row_end, count, WG: gl.constexpr, args):
+    """The epilogue in the accumulator's own layout (REGS: bf16, G a multiple of BN). The tile's h
+    columns (its BN gates, then its BN ups) arrive by two TMA loads into this warpgroup's bf16 tiles,
+    are read in g_z's layout, and the same tiles take g_h's gate and up halves, which leave by TMA
+    stores with z (masked 16-byte stores where the tile crosses its expert's end, as FC1's). No fp32
+    staging: g_z never leaves the registers."""
+    BM: gl.constexpr = args[12]
+    BN: gl.constexpr = args[13]
+    G: gl.constexpr = args[15]
+    HAS_PROBS: gl.constexpr = args[17]
+    STORE_Z: gl.constexpr = args[18]
+    STORE_PARTIAL: gl.constexpr = args[19]
+    h_desc = args[21]
+    gh_desc = args[22]
+    z_desc = args[23]
+    gate_smem = args[24].index(2 * WG)
+    up_smem = args[24].index(2 * WG + 1)
+    z_smem = args[25].index(WG)
+    bar = args[26].index(WG)
+    M = args[6]
+    layout: gl.constexpr = g_z.type.layout
+    gate0 = _glu_rows(n0, G)  # h's column of the tile's first gate: the tile lies in one G block
+    store_wait(0)  # this warpgroup's previous stores have finished reading its tiles
+    fence_async_shared()  # and its generic reads of them (the masked stores) precede the TMA writes
+    expect_bytes(bar, 2 * BM * BN * 2)
+    tma_load(h_desc, [m0, gate0], bar, gate_smem)
+    tma_load(h_desc, [m0, gate0 + G], bar, up_smem)
+    rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    row_ok = rows < row_end
+    p = gl.load(args[4] + rows, mask=row_ok & HAS_PROBS, other=1.0).to(gl.float32)  # unused without probs
+    mbarrier.wait(bar, count & 1)
+    # Four column quarters at a time keep the promoted mainloop's registers enough: a thread holds
+    # columns c, c + 32, c + 64 and c + 96 (register bits of the layout), so the splits move no data.
+    Q: gl.constexpr = BN // 4
+    g_lo, g_hi = gl.split(g_z.reshape([BM, 2, 2 * Q]).permute((0, 2, 1)))
+    q0, q1 = gl.split(g_lo.reshape([BM, 2, Q]).permute((0, 2, 1)))
+    q2, q3 = gl.split(g_hi.reshape([BM, 2, Q]).permute((0, 2, 1)))
+    part = _regs_part(q0, gate_smem.slice(0, Q, dim=1), up_smem.slice(0, Q, dim=1), z_smem.slice(0, Q, dim=1), p,
+                      args)
+    part += _regs_part(q1, gate_smem.slice(Q, Q, dim=1), up_smem.slice(Q, Q, dim=1), z_smem.slice(Q, Q, dim=1), p,
+                       args)
+    part += _regs_part(q2, gate_smem.slice(2 * Q, Q, dim=1), up_smem.slice(2 * Q, Q, dim=1),
+                       z_smem.slice(2 * Q, Q, dim=1), p, args)
+    part += _regs_part(q3, gate_smem.slice(3 * Q, Q, dim=1), up_smem.slice(3 * Q, Q, dim=1),
+                       z_smem.slice(3 * Q, Q, dim=1), p, args)
+    if STORE_PARTIAL:
+        # Rows past the expert's end hold the next expert's h and are not stored; F is a multiple of BN.
+        gl.store(args[5] + (n0 // BN).to(gl.int64) * M + rows, gl.convert_layout(part, rows.type.layout),
+                 mask=row_ok)
+    if (m0 + BM <= row_end) | (row_end == M):
+        fence_async_shared()
+        tma_store(gh_desc, [m0, gate0], gate_smem)
+        tma_store(gh_desc, [m0, gate0 + G], up_smem)
+        if STORE_Z:
+            tma_store(z_desc, [m0, n0], z_smem)
+    else:
+        _masked_store(gate_smem, args[2], m0, gate0, args[8], row_end, BM, BN)
+        _masked_store(up_smem, args[2], m0, gate0 + G, args[8], row_end, BM, BN)
+        if STORE_Z:
+            _masked_store(z_smem, args[3], m0, n0, args[7], row_end, BM, BN)
+
+
+@gluon.jit
+def _dgrad_epilogue(acc, e, m0, n0, row_end, count, WG: gl.constexpr, args):
     """The engine's epilogue unit (_engine._tile_loop) for FC2_DGRAD: the tile's fp32 g_z to this
     warpgroup's shared tile, then ``_epilogue``. ``args`` = (g_tiles, h_ptr, gh_ptr, z_ptr, probs_ptr,
-    part_ptr, M, N, N1, p0, p1, p2, BM, BN, CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL); the
-    constexprs are read by index into constexpr names (unpacking would make them runtime values)."""
+    part_ptr, M, N, N1, p0, p1, p2, BM, BN, CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL, REGS,
+    h_desc, gh_desc, z_desc, hg_tiles, z_tiles, h_bars); the constexprs are read by index into
+    constexpr names (unpacking would make them runtime values). REGS: ``_regs_epilogue``."""
     BM: gl.constexpr = args[12]
     BN: gl.constexpr = args[13]
     CW: gl.constexpr = args[14]
@@ -168,10 +269,14 @@ def _dgrad_epilogue(acc, e, m0, n0, row_end, WG: gl.constexpr, args):
     HAS_PROBS: gl.constexpr = args[17]
     STORE_Z: gl.constexpr = args[18]
     STORE_PARTIAL: gl.constexpr = args[19]
-    g_smem = args[0].index(WG)
-    g_smem.store(acc)
-    _epilogue(g_smem, args[1], args[2], args[3], args[4], args[5], m0, n0, row_end, args[6], args[7], args[8],
-              args[9], args[10], args[11], BM, BN, CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
+    REGS: gl.constexpr = args[20]
+    if REGS:
+        _regs_epilogue(acc, m0, n0, row_end, count, WG, args)
+    else:
+        g_smem = args[0].index(WG)
+        g_smem.store(acc)
+        _epilogue(g_smem, args[1], args[2], args[3], args[4], args[5], m0, n0, row_end, args[6], args[7], args[8],
+                  args[9], args[10], args[11], BM, BN, CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
 
 
 @gluon.jit
@@ -186,16 +291,17 @@ def _dgrad_capacity(m0, n0, WG: gl.constexpr, args):
 
 
 @gluon.jit
-def _consumer(a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, a_scale_ptr, stride_asm, stride_ask,
-              b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2,
-              a_ring, b_ring, g_tiles, ready, empty, turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+def _consumer(a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, a_scale_ptr,
+              stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1,
+              p0, p1, p2, a_ring, b_ring, g_tiles, hg_tiles, z_tiles, h_bars, ready, empty, turn, WG: gl.constexpr,
+              BM: gl.constexpr, BN: gl.constexpr,
               BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr,
               B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, CHAIN: gl.constexpr, ACT: gl.constexpr,
               HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr, A_PARTS: gl.constexpr,
-              SCALED: gl.constexpr):
+              SCALED: gl.constexpr, REGS: gl.constexpr):
     _tile_loop(_dgrad_epilogue, _dgrad_capacity,
                (g_tiles, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, M, N, N1, p0, p1, p2, BM, BN, CW, G, ACT,
-                HAS_PROBS, STORE_Z, STORE_PARTIAL),
+                HAS_PROBS, STORE_Z, STORE_PARTIAL, REGS, h_desc, gh_desc, z_desc, hg_tiles, z_tiles, h_bars),
                a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK,
                B_KMAJOR, CHAIN, A_PARTS, SCALED,
                (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk),
@@ -208,6 +314,9 @@ def fc2_dgrad_kernel(
     # W2: B_KMAJOR (E·F, H) (a transposed-layout weight, or W2's K-major codes), block [BN, BK];
     # else (E·H, F), block [BK, BN]
     b_desc,
+    h_desc,  # REGS: h (M, N1) bf16, block [BM, BN]; else unused
+    gh_desc,  # REGS: g_h (M, N1) bf16, block [BM, BN]; else unused
+    z_desc,  # REGS: z (M, F) bf16, block [BM, BN] (STORE_Z); else unused
     h_ptr,  # (M, N1) bf16, the forward's stored h
     gh_ptr,  # (M, N1) bf16 or fp32 (under a recipe), written
     z_ptr,  # (M, F) bf16 or fp32, written (STORE_Z)
@@ -247,22 +356,38 @@ def fc2_dgrad_kernel(
     STORE_PARTIAL: gl.constexpr,
     A_PARTS: gl.constexpr,  # 1: ping-pong BM-row tiles; 2: cooperative 2·BM-row tiles (_engine._tile_loop)
     SCALED: gl.constexpr,  # fp8_block: e4m3 operands, each 128-deep product scaled into g_z (_mainloop_scaled)
+    REGS: gl.constexpr,  # the epilogue in the accumulator's layout (_regs_epilogue): bf16, G a multiple of BN
 ):
+    gl.static_assert(not (REGS and SCALED), "the register epilogue is bf16's")
     a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR, A_PARTS)
-    g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
-    g_tiles = gl.allocate_shared_memory(gl.float32, [2, BM, BN], g_layout)
+    h_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if REGS:
+        gl.static_assert(G % BN == 0, "a tile's gates in one G block")
+        # Each consumer's h gate and up tiles (2·WG, 2·WG + 1; g_h's after), and its z tile (WG).
+        hg_tiles = gl.allocate_shared_memory(h_desc.dtype, [4, BM, BN], h_desc.layout)
+        z_tiles = gl.allocate_shared_memory(z_desc.dtype, [2, BM, BN], z_desc.layout)
+        g_tiles = z_tiles  # unused
+        for w in gl.static_range(2):
+            mbarrier.init(h_bars.index(w), count=1)
+    else:
+        g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
+        g_tiles = gl.allocate_shared_memory(gl.float32, [2, BM, BN], g_layout)
+        hg_tiles = g_tiles  # unused
+        z_tiles = g_tiles
 
     # The argument tuples are written out in the call: a tuple bound to a name first would turn its
     # constexprs into runtime values.
     warp_specialize([
-        (_consumer, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, a_scale_ptr, stride_asm, stride_ask,
-                     b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2,
-                     a_ring, b_ring, g_tiles, ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
-                     CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS, SCALED)),
-        (_consumer, (a_desc, b_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, a_scale_ptr, stride_asm, stride_ask,
-                     b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2,
-                     a_ring, b_ring, g_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR,
-                     CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS, SCALED)),
+        (_consumer, (a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, a_scale_ptr,
+                     stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K,
+                     N1, p0, p1, p2, a_ring, b_ring, g_tiles, hg_tiles, z_tiles, h_bars, ready, empty, turn, 0, BM, BN,
+                     BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL,
+                     A_PARTS, SCALED, REGS)),
+        (_consumer, (a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, a_scale_ptr,
+                     stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K,
+                     N1, p0, p1, p2, a_ring, b_ring, g_tiles, hg_tiles, z_tiles, h_bars, ready, empty, turn, 1, BM, BN,
+                     BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL,
+                     A_PARTS, SCALED, REGS)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                      GROUP_M, E_BLOCK, B_KMAJOR, A_PARTS, 1, 1, N)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

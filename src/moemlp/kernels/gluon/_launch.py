@@ -237,6 +237,21 @@ DGRAD_COOPERATIVE_ROWS = 1024
 DGRAD_ACTIVATIONS = (0, 1)
 
 
+# FC2_DGRAD's epilogue in the accumulator's layout where it applies (_dgrad_regs); False keeps the staged
+# one (an fp32 shared tile read back in chunks) everywhere, for an A/B of the two.
+DGRAD_REGS = True
+
+
+def _dgrad_regs(h: torch.Tensor, g_h: torch.Tensor, z: torch.Tensor | None, G: int, scaled: bool) -> bool:
+    """Whether FC2_DGRAD takes the epilogue in the accumulator's layout (_fc2_dgrad._regs_epilogue):
+    bf16, a tile's BN gates in one G block (G a multiple of BN), and h, g_h and z bf16, contiguous
+    and 16-byte aligned for their TMA copies."""
+    if not DGRAD_REGS or scaled or G % BN:
+        return False
+    outs = (h, g_h) if z is None else (h, g_h, z)
+    return all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in outs)
+
+
 def fc2_dgrad_supports(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, activation_id: int, glu: bool) -> str:
     """Why the fused FC2_DGRAD cannot take these operands ("" when it can): dy (M, H), w2 (E, H, F)
     contiguous or the transposed view of a contiguous (E, F, H), h (M, 2F), all bf16 (no device read)."""
@@ -353,6 +368,7 @@ def fc2_dgrad(
             partial.zero_()
         return partial
     bm = BM_PROMOTED
+    regs = _dgrad_regs(h, g_h, z, glu_interleave, scaled)
     kmajor = not w2.is_contiguous()  # the transposed view of a contiguous (E, F, H): B as (E·F, H)
     b2d = w2.transpose(1, 2).reshape(E * F, H) if kmajor else w2.view(E * H, F)
     bk = FP8_BK if scaled else BK
@@ -365,6 +381,13 @@ def fc2_dgrad(
         scale_args = (dy_scale, dy_scale.stride(0), dy_scale.stride(1), w2_scale, *w2_scale.stride())
     else:
         scale_args = (dy, 0, 0, dy, 0, 0, 0)  # never read: SCALED is off
+    if regs:
+        out_layout = _smem_layout((bm, BN))
+        h_desc = TensorDescriptor.from_tensor(h, [bm, BN], out_layout)
+        gh_desc = TensorDescriptor.from_tensor(g_h, [bm, BN], out_layout)
+        z_desc = TensorDescriptor.from_tensor(z, [bm, BN], out_layout) if z is not None else gh_desc
+    else:
+        h_desc = gh_desc = z_desc = a_desc  # never used: REGS is off
     e_block = max(32, 1 << (E - 1).bit_length())
     a_parts = 2 if cooperative else 1
     tile_bound = (-(-M // (bm * a_parts)) + E) * -(-F // BN)
@@ -372,13 +395,14 @@ def fc2_dgrad(
     dummy = g_h  # never dereferenced: the constexpr flags switch its loads and stores off
     with torch.cuda.device(dy.device):
         fc2_dgrad_kernel[grid](
-            a_desc, b_desc, h, g_h, z if z is not None else dummy, probs if probs is not None else dummy,
-            partial if partial is not None else dummy, *scale_args, splits, E, M, F, H, N1,
+            a_desc, b_desc, h_desc, gh_desc, z_desc, h, g_h, z if z is not None else dummy,
+            probs if probs is not None else dummy, partial if partial is not None else dummy, *scale_args, splits,
+            E, M, F, H, N1,
             float(params[0]), float(params[1]), float(params[2]),
             BM=bm, BN=BN, BK=bk, STAGES=STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor, CW=DGRAD_CW,
             G=glu_interleave, CHAIN=1 if scaled else promote_depth // BK, ACT=activation_id,
             HAS_PROBS=probs is not None, STORE_Z=z is not None, STORE_PARTIAL=partial is not None, A_PARTS=a_parts,
-            SCALED=scaled, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+            SCALED=scaled, REGS=regs, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
     return partial
 
