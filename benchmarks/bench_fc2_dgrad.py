@@ -10,10 +10,11 @@ path (``MOEMLP_GLUON=0`` keeps it on Triton; the engine's tile mode the library'
 Triton kernel and an engine of the same depth are checked bitwise against each other.
 
     PYTHONPATH=src python3 benchmarks/bench_fc2_dgrad.py [--shapes a,b] [--rep-ms 100] [--depths ...] [--triton-bk ...]
-        [--staged] [--no-step]
+        [--regs] [--no-step]
 
-``--staged`` also times the engine with its staged epilogue (the fp32 accumulator through shared
-memory, ``_launch.DGRAD_REGS`` off) where the register epilogue applies (bf16, G a multiple of 128).
+``--regs`` also times the engine with its epilogue in the accumulator's layout
+(``_launch.DGRAD_REGS`` on; it applies in bf16 where G is a multiple of 128) beside the staged one
+(the fp32 accumulator through a shared tile), each checked bitwise against the Triton kernel first.
 
 Prediction for the register epilogue, written before its first GPU run (H200, % of a dense mm):
 cooperative tiles, whose epilogue is exposed, mixtral 68 → ~78 and deepseek-v3 74 → ~82; ping-pong
@@ -50,7 +51,7 @@ def _dprobs_float64(dy, w2, h, splits, F):
     return dprobs
 
 
-def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], staged: bool = False,
+def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], regs: bool = False,
                 step_too: bool = True) -> dict:
     dev = torch.device("cuda")
     x, splits, probs, w1, w2, dy = routed_problem(shape, dev)
@@ -74,10 +75,10 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], st
                                               z=z, h=h, dprobs_partials=True, config=config)  # fmt: skip
         return run
 
-    def engine_path(depth, cooperative, regs=True):
+    def engine_path(depth, cooperative, regs=None):
         def run(g_h, z):
             saved = gluon_launch.DGRAD_REGS
-            gluon_launch.DGRAD_REGS = regs and saved
+            gluon_launch.DGRAD_REGS = saved if regs is None else regs
             try:
                 return gluon.fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True,
                                        glu_interleave=F, activation_id=0, params=(0.0, 0.0, 0.0),
@@ -94,13 +95,13 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], st
     ref = _dprobs_float64(dy, w2, h, splits, F)
     paths = {"triton": triton_path(default.BK), "gluon": engine_path(gluon_launch.PROMOTE_DEPTH, False),
              "gluon_coop": engine_path(gluon_launch.PROMOTE_DEPTH, cooperative=True)}
-    if staged:
-        paths.update({"gluon_staged": engine_path(gluon_launch.PROMOTE_DEPTH, False, regs=False),
-                      "gluon_coop_staged": engine_path(gluon_launch.PROMOTE_DEPTH, True, regs=False)})
+    if regs:
+        paths.update({"gluon_regs": engine_path(gluon_launch.PROMOTE_DEPTH, False, regs=True),
+                      "gluon_coop_regs": engine_path(gluon_launch.PROMOTE_DEPTH, True, regs=True)})
     paths.update({f"triton_bk{bk}": triton_path(bk) for bk in triton_bks})
     paths.update({f"gluon_d{d}": engine_path(d, False) for d in depths})
     depth_of = {"triton": default.BK, "gluon": gluon_launch.PROMOTE_DEPTH, "gluon_coop": gluon_launch.PROMOTE_DEPTH,
-                "gluon_staged": gluon_launch.PROMOTE_DEPTH, "gluon_coop_staged": gluon_launch.PROMOTE_DEPTH}
+                "gluon_regs": gluon_launch.PROMOTE_DEPTH, "gluon_coop_regs": gluon_launch.PROMOTE_DEPTH}
     depth_of.update({f"triton_bk{bk}": bk for bk in triton_bks})
     depth_of.update({f"gluon_d{d}": d for d in depths})
     outs = {}
@@ -152,7 +153,7 @@ def main() -> None:
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--depths", default="", help="engine promoted-product depths to time beside the default")
     p.add_argument("--triton-bk", default="", help="Triton K steps to time beside the default")
-    p.add_argument("--staged", action="store_true", help="also time the engine with the staged fp32 epilogue")
+    p.add_argument("--regs", action="store_true", help="also time the engine with the register epilogue")
     p.add_argument("--no-step", action="store_true", help="skip the forward + backward of grouped_mlp")
     args = p.parse_args()
     depths = [int(d) for d in args.depths.split(",") if d]
@@ -162,10 +163,10 @@ def main() -> None:
         raise SystemExit(f"the Gluon engine cannot run here: {reason}")
     rows = []
     for name in args.shapes.split(","):
-        rows.append(bench_shape(GPU_SHAPES[name], args.rep_ms, depths, triton_bks, args.staged, not args.no_step))
+        rows.append(bench_shape(GPU_SHAPES[name], args.rep_ms, depths, triton_bks, args.regs, not args.no_step))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    names = (["triton", "gluon", "gluon_coop"] + (["gluon_staged", "gluon_coop_staged"] if args.staged else [])
+    names = (["triton", "gluon", "gluon_coop"] + (["gluon_regs", "gluon_coop_regs"] if args.regs else [])
              + [f"triton_bk{b}" for b in triton_bks] + [f"gluon_d{d}" for d in depths])
     print_table(rows, ["shape"] + [f"{n}_dprobs_err" for n in names],
                 "FC2_DGRAD: dprobs against float64 on the same h (SPEC §1: ≤ 1e-6)")

@@ -179,10 +179,11 @@ def _dprobs_float64(dy, w2, h, splits, F, G, activation, params):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("regs", [False, True], ids=["staged", "regs"])
 @pytest.mark.parametrize("cooperative", [False, True], ids=["pingpong", "cooperative"])
 @pytest.mark.parametrize("splits_list, M, H, F, activation, params, G, transposed, probs_dtype, store_z", CASES)
 def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, probs_dtype, store_z, cooperative,
-                       engine_runs):
+                       regs, engine_runs, monkeypatch):
     from moemlp._config import MLPConfig
     from moemlp.kernels import operands
     from moemlp.kernels.gemm import launch
@@ -192,6 +193,9 @@ def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, 
     dev = "cuda"
     E = len(splits_list)
     G = G or F
+    if regs and G % _launch.BN:
+        pytest.skip("the register epilogue takes G a multiple of 128")
+    monkeypatch.setattr(_launch, "DGRAD_REGS", regs)  # the epilogue in the accumulator's layout, or staged
     spec = ACTIVATIONS[activation]
     dy = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
     h = (2 * torch.randn(M, 2 * F, device=dev)).to(torch.bfloat16)
