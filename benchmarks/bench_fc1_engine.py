@@ -29,8 +29,6 @@ from moemlp.kernels.gluon import _launch as gluon_launch
 from moemlp.recipes import recipe
 
 DEV = torch.device("cuda")
-# The launcher's stage count for fp8_block's FC1 (a tree before FC1_FP8_STAGES shared FP8_STAGES).
-STAGES_NAME = "FC1_FP8_STAGES" if hasattr(gluon_launch, "FC1_FP8_STAGES") else "FP8_STAGES"
 
 
 def _problem(shape, fp8: bool):
@@ -67,7 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(GPU_SHAPES))
     ap.add_argument("--rep-ms", type=int, default=60)
-    ap.add_argument("--fp8-stages", default=str(getattr(gluon_launch, STAGES_NAME)))
+    ap.add_argument("--fp8-stages", default=str(gluon_launch.FC1_FP8_STAGES))
     args = ap.parse_args()
     if gluon.why_unavailable():
         raise SystemExit(f"the engine cannot run here: {gluon.why_unavailable()}")
@@ -86,9 +84,9 @@ def main() -> None:
             t_triton = time_ms(lambda: _triton(a_op, b_op, splits, probs, M, F, H, z_dtype), DEV,
                                rep_ms=args.rep_ms)  # fmt: skip
             for stages in [int(s) for s in args.fp8_stages.split(",")] if fp8 else [gluon_launch.FC1_STAGES]:
-                saved = getattr(gluon_launch, STAGES_NAME)
+                saved = gluon_launch.FC1_FP8_STAGES
                 if fp8:
-                    setattr(gluon_launch, STAGES_NAME, stages)
+                    gluon_launch.FC1_FP8_STAGES = stages
                 try:
                     h, z = _engine(a_op, b_op, splits, probs, M, F, z_dtype, scales)
                     torch.cuda.synchronize()
@@ -100,7 +98,7 @@ def main() -> None:
                     t = time_ms(lambda: _engine(a_op, b_op, splits, probs, M, F, z_dtype, scales), DEV,
                                 rep_ms=args.rep_ms)  # fmt: skip
                 finally:
-                    setattr(gluon_launch, STAGES_NAME, saved)
+                    gluon_launch.FC1_FP8_STAGES = saved
                 rows.append({"shape": name, "dtype": "fp8_block" if fp8 else "bf16", "stages": stages,
                              "triton_ms": round(t_triton.median, 3), "engine_ms": round(t.median, 3),
                              "engine/triton": round(t_triton.median / t.median, 3),

@@ -64,7 +64,9 @@ def _zero_rows(ptr, m0, col0, ld, M, BM: gl.constexpr, W: gl.constexpr):
 @gluon.jit
 def _store_h_z(h_desc, z_desc, h_ptr, z_ptr, gate_smem, up_smem, z_smem, m0, n0, gate0, row_end, M, N, N1,
                BM: gl.constexpr, G: gl.constexpr, STORE_Z: gl.constexpr):
-    """The tile's h halves and z, written to the shared tiles, out to global memory."""
+    """A tile's two h-shaped halves (gate and up columns, G apart; FC1's h, FC2_DGRAD's g_h) and z,
+    written to the shared tiles, out to global memory: TMA stores, or masked ones where the tile
+    crosses its expert's end (unless that end is row M, where TMA's clipping is exact)."""
     TILE_N: gl.constexpr = h_desc.block_type.shape[1]
     if (m0 + BM <= row_end) | (row_end == M):
         fence_async_shared()

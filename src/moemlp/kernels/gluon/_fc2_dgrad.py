@@ -46,7 +46,6 @@ from ._compat import (
     mbarrier,
     store_wait,
     tma_load,
-    tma_store,
     warp_specialize,
 )
 from ._engine import (
@@ -57,7 +56,7 @@ from ._engine import (
     _ring,
     _tile_loop,
 )
-from ._fc1 import _masked_store
+from ._fc1 import _store_h_z
 from ._glu import _glu_backward
 
 
@@ -246,17 +245,8 @@ def _regs_epilogue(g_z, m0, n0, row_end, count, WG: gl.constexpr, args):
         # Rows past the expert's end hold the next expert's h and are not stored; F is a multiple of BN.
         gl.store(args[5] + (n0 // BN).to(gl.int64) * M + rows, gl.convert_layout(part, rows.type.layout),
                  mask=row_ok)
-    if (m0 + BM <= row_end) | (row_end == M):
-        fence_async_shared()
-        tma_store(gh_desc, [m0, gate0], gate_smem)
-        tma_store(gh_desc, [m0, gate0 + G], up_smem)
-        if STORE_Z:
-            tma_store(z_desc, [m0, n0], z_smem)
-    else:
-        _masked_store(gate_smem, args[2], m0, gate0, args[8], row_end, BM, BN)
-        _masked_store(up_smem, args[2], m0, gate0 + G, args[8], row_end, BM, BN)
-        if STORE_Z:
-            _masked_store(z_smem, args[3], m0, n0, args[7], row_end, BM, BN)
+    _store_h_z(gh_desc, z_desc, args[2], args[3], gate_smem, up_smem, z_smem, m0, n0, gate0, row_end, M, args[7],
+               args[8], BM, G, STORE_Z)
 
 
 @gluon.jit
@@ -365,20 +355,21 @@ def fc2_dgrad_kernel(
 ):
     gl.static_assert(not (REGS and SCALED), "the register epilogue is bf16's")
     a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR, A_PARTS)
-    h_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if REGS:
         gl.static_assert(G % BN == 0, "a tile's gates in one G block")
         # Each consumer's h gate and up tiles (2·WG, 2·WG + 1; g_h's after), and its z tile (WG).
         hg_tiles = gl.allocate_shared_memory(h_desc.dtype, [4, BM, BN], h_desc.layout)
         z_tiles = gl.allocate_shared_memory(z_desc.dtype, [2, BM, BN], z_desc.layout)
         g_tiles = z_tiles  # unused
+        h_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for w in gl.static_range(2):
             mbarrier.init(h_bars.index(w), count=1)
     else:
         g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
         g_tiles = gl.allocate_shared_memory(gl.float32, [2, BM, BN], g_layout)
-        hg_tiles = g_tiles  # unused
+        hg_tiles = g_tiles  # unused, as are the two below
         z_tiles = g_tiles
+        h_bars = g_tiles
 
     # The argument tuples are written out in the call: a tuple bound to a name first would turn its
     # constexprs into runtime values.
