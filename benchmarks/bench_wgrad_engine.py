@@ -58,7 +58,7 @@ def _sweep_launch(g, x, splits, stages, group_n, bk=None, out_dtype=torch.bfloat
     (T, N), K, E = g.shape, x.shape[1], splits.shape[0]
     out = torch.empty((E, N, K), dtype=out_dtype, device=g.device)
     bind_context(g.device)
-    bm, bn, bk = L.WGRAD_BM, L.WGRAD_BN, bk or L.WGRAD_BK
+    bm, bn, bk = L.WGRAD_BM, L.WGRAD_BN, bk or L._wgrad_step(out_dtype, T / E)[0]
     g_desc = TensorDescriptor.from_tensor(g, [bk, bm], L._smem_layout((bk, bm)))
     x_desc = TensorDescriptor.from_tensor(x, [bk, bn], L._smem_layout((bk, bn)))
     c2d = out.view(E * N, K)

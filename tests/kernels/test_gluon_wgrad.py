@@ -127,18 +127,18 @@ def test_gpu_matches_the_triton_kernel(splits_list, T, N, K, out_dtype):
 # ---- bf16 weight gradients (moemlp.kernels.gluon.wgrad) ----
 
 
-def _compile_bf16_sm90(out_fp32: bool):
+def _compile_bf16_sm90(out_fp32: bool, rows_per_expert: int):
     from moemlp.kernels.gluon import _engine, _wgrad
 
     gl = _compat.gl
-    BM, BN, BK = _launch.WGRAD_BM, _launch.WGRAD_BN, _launch.WGRAD_BK
+    BM, BN = _launch.WGRAD_BM, _launch.WGRAD_BN
+    BK, stages = _launch._wgrad_step(torch.float32 if out_fp32 else torch.bfloat16, rows_per_expert)
 
     def desc(block, dtype):
         ty = {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype]
         return f"tensordesc<{dtype}[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, ty)!r}>"
 
     c = "fp32" if out_fp32 else "bf16"
-    stages = _launch.WGRAD_STAGES_FP32_OUT if out_fp32 else _launch.WGRAD_STAGES
     constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_N=_launch.WGRAD_GROUP_N, E_BLOCK=128)
     sig = {"g_desc": desc([BK, BM], "bf16"), "x_desc": desc([BK, BN], "bf16"), "c_desc": desc([BM, BN], c),
            "c_ptr": f"*{c}", "splits_ptr": "*i32", "E": "i32", "T": "i32", "N": "i32", "K": "i32"}
@@ -146,18 +146,25 @@ def _compile_bf16_sm90(out_fp32: bool):
     sig = {name: sig[name] for name in _wgrad.wgrad_kernel.arg_names}
     sass, usage, shared = compile_gluon_sm90(_wgrad.wgrad_kernel, sig, constexprs, ("c_ptr", "splits_ptr", "N", "K"),
                                              _engine.NUM_WARPS, _engine.MAXNREG)  # fmt: skip
-    return sass, usage, shared, stages
+    return sass, usage, shared, BK, stages
 
 
 @needs_gluon
-@pytest.mark.parametrize("out_fp32", [False, True], ids=["bf16-dW", "fp32-dW"])
-def test_bf16_offline_sm90_compile(out_fp32):
-    sass, usage, shared, stages = _compile_bf16_sm90(out_fp32)
+@pytest.mark.parametrize(
+    "out_fp32, rows_per_expert",
+    [
+        pytest.param(False, 128, id="bf16-dW"),
+        pytest.param(True, 128, id="fp32-dW-64-row-steps"),  # small experts: 64 rows a step, 3 stages
+        pytest.param(True, 256, id="fp32-dW-32-row-steps"),  # 32 rows a step, 6 stages
+    ],
+)
+def test_bf16_offline_sm90_compile(out_fp32, rows_per_expert):
+    sass, usage, shared, BK, stages = _compile_bf16_sm90(out_fp32, rows_per_expert)
     # Each consumer's step: one BK-deep wgmma of the 128 × 128 tile = 2 × BK/16 m64n128k16, both
     # operands read through transposed views (Gᵀ M-major, X N-major), one group kept in flight (wait 1)
     # in the loop, the tile's last waited for (wait 0) before its store: no serialized chain.
     mmas = len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16 [^;]*tnspA\.tnspB", sass))
-    assert mmas == 2 * 2 * _launch.WGRAD_BK // 16, mmas
+    assert mmas == 2 * 2 * BK // 16, mmas
     assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)) == 2
     assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 2
     # The masked last step's barrier is its warpgroup's (128 threads on a named barrier), not the CTA's.
@@ -168,7 +175,7 @@ def test_bf16_offline_sm90_compile(out_fp32):
     local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
     assert regs <= 168, usage
     assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
-    stage = (_launch.WGRAD_BM + _launch.WGRAD_BN) * _launch.WGRAD_BK * 2
+    stage = (_launch.WGRAD_BM + _launch.WGRAD_BN) * BK * 2
     tiles = 2 * _launch.WGRAD_BM * _launch.WGRAD_BN * (4 if out_fp32 else 2)
     assert stages * stage + tiles <= shared <= 227 * 1024, shared
 

@@ -696,13 +696,23 @@ def fp8_wgrad(
     return out
 
 
-# bf16 weight gradients (_wgrad.wgrad_kernel): ping-pong 128 × 128 tiles of dW, 32 rows a step, 8 stages
-# of (128 + 128) × 32 × 2 B = 128 KiB (6 with an fp32 dW, whose two epilogue tiles take 128 KiB). 32-row
-# steps waste at most 31 rows of MMAs on an expert's last step (64-row ones up to 63, a third of a
-# 128-row expert's work) and zero half as many bytes there: 3-11 % faster where experts have 128-256
-# rows, the same bits (docs/DECISIONS.md).
-WGRAD_BM, WGRAD_BN, WGRAD_BK = 128, 128, 32
-WGRAD_STAGES, WGRAD_STAGES_FP32_OUT = 8, 6
+# bf16 weight gradients (_wgrad.wgrad_kernel): ping-pong 128 × 128 tiles of dW. A bf16 dW takes 32 rows a
+# step, 8 stages of (128 + 128) × 32 × 2 B = 128 KiB: 32-row steps waste at most 31 rows of MMAs on an
+# expert's last step (64-row ones up to 63, a third of a 128-row expert's work) and zero half as many
+# bytes there: 3-11 % faster where experts have 128-256 rows, the same bits. An fp32 dW (main_grad)
+# has two 64 KiB epilogue tiles beside the ring: 32-row steps in 6 stages of 16 KiB, or 64-row steps
+# in 3 stages of 32 KiB, which halve the barrier round trips a row. Each won where the other lost:
+# 64-row steps 1.2-1.3x on gpt-oss's dW1 and dW2 (128 rows an expert), 32-row steps 1.15x on
+# qwen3's (256), so the split is at 192 rows an expert on average (docs/DECISIONS.md).
+WGRAD_BM, WGRAD_BN = 128, 128
+WGRAD_FP32_LONG_STEP_ROWS = 192
+
+
+def _wgrad_step(out_dtype: torch.dtype, rows_per_expert: float) -> tuple[int, int]:
+    """(rows a step, stages) of the bf16 weight-gradient kernel for a dW in ``out_dtype``."""
+    if out_dtype != torch.float32:
+        return 32, 8
+    return (64, 3) if rows_per_expert <= WGRAD_FP32_LONG_STEP_ROWS else (32, 6)
 
 
 def wgrad_supports(g: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype, experts: int = 1) -> str:
@@ -755,8 +765,9 @@ def wgrad(
         return out.zero_()
     bind_context(g.device)
     fp32 = out_dtype == torch.float32
-    g_desc = TensorDescriptor.from_tensor(g, [WGRAD_BK, WGRAD_BM], _smem_layout((WGRAD_BK, WGRAD_BM)))
-    x_desc = TensorDescriptor.from_tensor(x, [WGRAD_BK, WGRAD_BN], _smem_layout((WGRAD_BK, WGRAD_BN)))
+    bk, stages = _wgrad_step(out_dtype, T / E)
+    g_desc = TensorDescriptor.from_tensor(g, [bk, WGRAD_BM], _smem_layout((bk, WGRAD_BM)))
+    x_desc = TensorDescriptor.from_tensor(x, [bk, WGRAD_BN], _smem_layout((bk, WGRAD_BN)))
     c2d = out.view(E * N, K)
     c_desc = TensorDescriptor.from_tensor(c2d, [WGRAD_BM, WGRAD_BN], _smem_layout((WGRAD_BM, WGRAD_BN), fp32))
     e_block = max(32, 1 << (E - 1).bit_length())
@@ -765,7 +776,7 @@ def wgrad(
     with torch.cuda.device(g.device):
         wgrad_kernel[grid](
             g_desc, x_desc, c_desc, c2d, splits, E, T, N, K,
-            BM=WGRAD_BM, BN=WGRAD_BN, BK=WGRAD_BK, STAGES=WGRAD_STAGES_FP32_OUT if fp32 else WGRAD_STAGES,
+            BM=WGRAD_BM, BN=WGRAD_BN, BK=bk, STAGES=stages,
             GROUP_N=WGRAD_GROUP_N, E_BLOCK=e_block, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
     return out
