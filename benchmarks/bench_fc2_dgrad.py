@@ -12,14 +12,16 @@ Triton kernel and an engine of the same depth are checked bitwise against each o
     PYTHONPATH=src python3 benchmarks/bench_fc2_dgrad.py [--shapes a,b] [--rep-ms 100] [--depths ...] [--triton-bk ...]
         [--regs] [--no-step]
 
-``--regs`` also times the engine with its epilogue in the accumulator's layout
-(``_launch.DGRAD_REGS`` on; it applies in bf16 where G is a multiple of 128) beside the staged one
-(the fp32 accumulator through a shared tile), each checked bitwise against the Triton kernel first.
+``--regs`` times each tile mode with each epilogue (``register_epilogue`` False and True, the second
+where F is a multiple of 128): staged through an fp32 shared tile, or in the accumulator's layout,
+each checked bitwise against the Triton kernel first. Without it each tile mode runs the library's
+choice (the register epilogue on cooperative tiles where it applies).
 
 Prediction for the register epilogue, written before its first GPU run (H200, % of a dense mm):
 cooperative tiles, whose epilogue is exposed, mixtral 68 → ~78 and deepseek-v3 74 → ~82; ping-pong
 qwen3 46 → ~50 (its epilogue is hidden already; h by TMA and fewer instructions); gpt-oss unchanged
-(F = 2880 is not a multiple of 128: the staged epilogue).
+(F = 2880 is not a multiple of 128: the staged epilogue). Measured: cooperative mixtral 60 → 63,
+deepseek-v3 70 → 70; ping-pong 1-4 % slower (docs/DECISIONS.md).
 """
 
 from __future__ import annotations
@@ -77,14 +79,9 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], re
 
     def engine_path(depth, cooperative, regs=None):
         def run(g_h, z):
-            saved = gluon_launch.DGRAD_REGS
-            gluon_launch.DGRAD_REGS = saved if regs is None else regs
-            try:
-                return gluon.fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True,
-                                       glu_interleave=F, activation_id=0, params=(0.0, 0.0, 0.0),
-                                       promote_depth=depth, cooperative=cooperative)  # fmt: skip
-            finally:
-                gluon_launch.DGRAD_REGS = saved
+            return gluon.fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True,
+                                   glu_interleave=F, activation_id=0, params=(0.0, 0.0, 0.0), promote_depth=depth,
+                                   cooperative=cooperative, register_epilogue=regs)  # fmt: skip
         return run
 
     def dprobs_of(part):
@@ -95,9 +92,12 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], re
     ref = _dprobs_float64(dy, w2, h, splits, F)
     paths = {"triton": triton_path(default.BK), "gluon": engine_path(gluon_launch.PROMOTE_DEPTH, False),
              "gluon_coop": engine_path(gluon_launch.PROMOTE_DEPTH, cooperative=True)}
-    if regs:
-        paths.update({"gluon_regs": engine_path(gluon_launch.PROMOTE_DEPTH, False, regs=True),
-                      "gluon_coop_regs": engine_path(gluon_launch.PROMOTE_DEPTH, True, regs=True)})
+    if regs:  # each tile mode with each epilogue, where the register one applies (F a multiple of 128)
+        paths = {"triton": paths["triton"]}
+        for label, coop in (("gluon", False), ("gluon_coop", True)):
+            paths[label] = engine_path(gluon_launch.PROMOTE_DEPTH, coop, regs=False)
+            if F % gluon_launch.BN == 0:
+                paths[f"{label}_regs"] = engine_path(gluon_launch.PROMOTE_DEPTH, coop, regs=True)
     paths.update({f"triton_bk{bk}": triton_path(bk) for bk in triton_bks})
     paths.update({f"gluon_d{d}": engine_path(d, False) for d in depths})
     depth_of = {"triton": default.BK, "gluon": gluon_launch.PROMOTE_DEPTH, "gluon_coop": gluon_launch.PROMOTE_DEPTH,

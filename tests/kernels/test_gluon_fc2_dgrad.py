@@ -183,7 +183,7 @@ def _dprobs_float64(dy, w2, h, splits, F, G, activation, params):
 @pytest.mark.parametrize("cooperative", [False, True], ids=["pingpong", "cooperative"])
 @pytest.mark.parametrize("splits_list, M, H, F, activation, params, G, transposed, probs_dtype, store_z", CASES)
 def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, probs_dtype, store_z, cooperative,
-                       regs, engine_runs, monkeypatch):
+                       regs, engine_runs):
     from moemlp._config import MLPConfig
     from moemlp.kernels import operands
     from moemlp.kernels.gemm import launch
@@ -195,7 +195,6 @@ def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, 
     G = G or F
     if regs and G % _launch.BN:
         pytest.skip("the register epilogue takes G a multiple of 128")
-    monkeypatch.setattr(_launch, "DGRAD_REGS", regs)  # the epilogue in the accumulator's layout, or staged
     spec = ACTIVATIONS[activation]
     dy = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
     h = (2 * torch.randn(M, 2 * F, device=dev)).to(torch.bfloat16)
@@ -210,8 +209,10 @@ def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, 
     def engine(cooperative=cooperative):
         g_h = torch.full((M, 2 * F), float("nan"), device=dev, dtype=torch.bfloat16)
         z = torch.full((M, F), float("nan"), device=dev, dtype=torch.bfloat16) if store_z else None
+        # the epilogue in the accumulator's layout, or staged through an fp32 shared tile
         part = fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True, glu_interleave=G,
-                         activation_id=spec.kernel_id, params=pp, cooperative=cooperative)  # fmt: skip
+                         activation_id=spec.kernel_id, params=pp, cooperative=cooperative,
+                         register_epilogue=regs)  # fmt: skip
         return g_h, z, part
 
     def dprobs_of(part):
@@ -252,13 +253,35 @@ def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, 
         assert torch.equal(engine(False)[2], part), "the cooperative tiles' dprobs partials differ from ping-pong's"
 
 
-@pytest.mark.parametrize("cooperative", [1, "yes"])
-def test_cooperative_is_checked(cooperative):
-    """cooperative is True, False or None (the launcher's choice): anything else is refused by name."""
+@pytest.mark.parametrize("name", ["cooperative", "register_epilogue"])
+@pytest.mark.parametrize("value", [1, "yes"])
+def test_tile_and_epilogue_choices_are_checked(name, value):
+    """cooperative and register_epilogue are True, False or None (the launcher's choice): anything
+    else is refused by name."""
     from moemlp.kernels.gluon import fc2_dgrad
 
     t = torch.zeros(64, 64, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match="cooperative must be a bool or None"):
+    with pytest.raises(TypeError, match=f"{name} must be a bool or None"):
         fc2_dgrad(t, t.view(1, 64, 64), torch.zeros(1, dtype=torch.int32), t, t, z=None, probs=None,
                   dprobs_partials=False, glu_interleave=32, activation_id=0, params=(0.0, 0.0, 0.0),
-                  cooperative=cooperative)  # fmt: skip
+                  **{name: value})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "G, dtype, words",
+    [
+        pytest.param(64, torch.bfloat16, "interleave 64 is not a multiple of 128", id="G64"),
+        pytest.param(128, torch.float32, "bf16", id="fp32-outputs"),
+    ],
+)
+def test_register_epilogue_asked_where_it_cannot_run(G, dtype, words):
+    """register_epilogue=True where the epilogue in the accumulator's layout cannot take the tensors
+    is a ValueError naming why, raised before anything is launched (here, on the CPU)."""
+    from moemlp.kernels.gluon import fc2_dgrad
+
+    dy = torch.zeros(64, 64, dtype=torch.bfloat16)
+    h = torch.zeros(64, 256, dtype=dtype)
+    with pytest.raises(ValueError, match=f"register epilogue cannot take these tensors: .*{words}"):
+        fc2_dgrad(dy, torch.zeros(1, 64, 128, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32), h,
+                  torch.zeros_like(h), z=None, probs=None, dprobs_partials=False, glu_interleave=G, activation_id=0,
+                  params=(0.0, 0.0, 0.0), register_epilogue=True)  # fmt: skip

@@ -220,7 +220,7 @@ def print_table(rows: list[dict], columns: Sequence[str], title: str) -> None:
             return f"{v:.3g}" if (abs(v) < 1e-2 and v != 0) else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}"
         return str(v)
 
-    cells = [[fmt(r[c]) for c in columns] for r in rows]
+    cells = [[fmt(r.get(c, "-")) for c in columns] for r in rows]  # "-": not measured for that row
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     print(title)
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))

@@ -23,10 +23,12 @@ on large experts, ping-pong where experts are small and half of a 128-row tile w
 (_launch.DGRAD_COOPERATIVE_ROWS). The Triton kernel runs that epilogue after each tile's mainloop
 with nothing overlapping it.
 
-Epilogue, staged (the default): the accumulator goes to a per-warpgroup fp32 shared tile, and is
-read back in column chunks of CW in a blocked layout (8 consecutive columns a thread), so h loads
-and the g_h / z stores are row-contiguous vectors rather than wgmma's 2-column fragments.
-In the accumulator's layout (REGS, ``_launch.DGRAD_REGS``; bf16 with G a multiple of 128): the
+Epilogue, staged (ping-pong tiles, fp8_block, G not a multiple of 128): the accumulator goes to a
+per-warpgroup fp32 shared tile, and is read back in column chunks of CW in a blocked layout (8
+consecutive columns a thread), so h loads and the g_h / z stores are row-contiguous vectors rather
+than wgmma's 2-column fragments. In the accumulator's layout (REGS: by default on bf16's cooperative
+tiles, whose epilogue nothing overlaps, where G is a multiple of 128; ``register_epilogue`` of
+``_launch.fc2_dgrad``): the
 tile's h gate and up columns arrive by TMA into bf16 shared tiles, are read in g_z's layout a column
 quarter at a time (a thread holds columns c, c + 32, c + 64, c + 96 of the same rows, so the splits
 move no data and the promoted mainloop's registers suffice), and g_h (over h's tiles) and z leave

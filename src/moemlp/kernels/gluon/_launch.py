@@ -237,21 +237,18 @@ DGRAD_COOPERATIVE_ROWS = 1024
 DGRAD_ACTIVATIONS = (0, 1)
 
 
-# FC2_DGRAD's epilogue in the accumulator's layout (_dgrad_regs) where it applies, when True. It gives the
-# staged epilogue's g_h and z bits (GPU tests), but is not yet timed beside it: off until it is
-# (docs/DECISIONS.md, "FC2_DGRAD's epilogue in the accumulator's layout"); the staged one keeps the fp32
-# accumulator in a shared tile read back in chunks.
-DGRAD_REGS = False
-
-
-def _dgrad_regs(h: torch.Tensor, g_h: torch.Tensor, z: torch.Tensor | None, G: int, scaled: bool) -> bool:
-    """Whether FC2_DGRAD takes the epilogue in the accumulator's layout (_fc2_dgrad._regs_epilogue):
-    bf16, a tile's BN gates in one G block (G a multiple of BN), and h, g_h and z bf16, contiguous
-    and 16-byte aligned for their TMA copies."""
-    if not DGRAD_REGS or scaled or G % BN:
-        return False
+def _register_epilogue_why(h: torch.Tensor, g_h: torch.Tensor, z: torch.Tensor | None, G: int, scaled: bool) -> str:
+    """Why FC2_DGRAD cannot take the epilogue in the accumulator's layout (_fc2_dgrad._regs_epilogue;
+    "" when it can): bf16, a tile's BN gates in one G block (G a multiple of BN), and h, g_h and z
+    bf16, contiguous and 16-byte aligned for their TMA copies."""
+    if scaled:
+        return "fp8_block stores fp32 g_h and z (the staged epilogue)"
+    if G % BN:
+        return f"the GLU interleave {G} is not a multiple of {BN}"
     outs = (h, g_h) if z is None else (h, g_h, z)
-    return all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in outs)
+    if not all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in outs):
+        return "h, g_h and z not contiguous, 16-byte aligned bf16"
+    return ""
 
 
 def fc2_dgrad_supports(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, activation_id: int, glu: bool) -> str:
@@ -320,6 +317,7 @@ def fc2_dgrad(
     params: tuple[float, float, float],
     promote_depth: int = PROMOTE_DEPTH,
     cooperative: bool | None = None,
+    register_epilogue: bool | None = None,
     dy_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
@@ -329,7 +327,11 @@ def fc2_dgrad(
     (returned, (⌈F/128⌉, M) fp32, when asked). Capacity rows get zeros. ``cooperative``: 128-row
     tiles, each consumer warpgroup taking 64 of its rows, both issuing at once (else 64-row tiles in
     ping-pong); the same bits either way; None: cooperative where the experts average at least
-    DGRAD_COOPERATIVE_ROWS rows (M / E, no device read).
+    DGRAD_COOPERATIVE_ROWS rows (M / E, no device read). ``register_epilogue``: the epilogue in the
+    accumulator's layout (True; a ValueError where it cannot take these tensors) or staged through an
+    fp32 shared tile (False), the same g_h and z bits, the dprobs partials summed in another order;
+    None: in the accumulator's layout on cooperative tiles where it applies, staged otherwise
+    (docs/DECISIONS.md, "FC2_DGRAD's epilogue in the accumulator's layout").
 
     fp8_block (``dy_scale`` and ``w2_scale`` given): dy holds e4m3 codes with dy_scale (M, ⌈H/128⌉)
     fp32 their 1×128 scales, w2 the transposed view of W2's K-major codes (E, F, H) with w2_scale
@@ -341,8 +343,9 @@ def fc2_dgrad(
     from ._fc2_dgrad import fc2_dgrad_kernel
 
     _check_depth("fc2_dgrad", "promote_depth", promote_depth, zero_ok=False)
-    if cooperative is not None and not isinstance(cooperative, bool):
-        raise TypeError(f"fc2_dgrad: cooperative must be a bool or None, got {type(cooperative).__name__}")
+    for name, flag in (("cooperative", cooperative), ("register_epilogue", register_epilogue)):
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"fc2_dgrad: {name} must be a bool or None, got {type(flag).__name__}")
     scaled = dy_scale is not None
     if scaled != (w2_scale is not None):
         raise ValueError("fc2_dgrad: dy_scale and w2_scale come together (fp8_block) or not at all")
@@ -357,6 +360,13 @@ def fc2_dgrad(
                              f"{tuple(dy_scale.shape)} and {tuple(w2_scale.shape)}")  # fmt: skip
     if cooperative is None:
         cooperative = M >= DGRAD_COOPERATIVE_ROWS * E
+    why_not_regs = _register_epilogue_why(h, g_h, z, glu_interleave, scaled)
+    if register_epilogue and why_not_regs:
+        raise ValueError(f"fc2_dgrad: the register epilogue cannot take these tensors: {why_not_regs}")
+    # By default only on cooperative tiles, whose epilogue nothing else overlaps: there it ran 1.05x
+    # on mixtral and level on deepseek-v3; in ping-pong, where the other warpgroup's mainloop already
+    # hides the staged epilogue, 0.96-0.98x.
+    regs = (cooperative if register_epilogue is None else register_epilogue) and not why_not_regs
     N1 = h.shape[1]
     partial = torch.empty((-(-F // BN), M), dtype=torch.float32, device=dy.device) if dprobs_partials else None
     if M == 0 or F == 0:
@@ -370,7 +380,6 @@ def fc2_dgrad(
             partial.zero_()
         return partial
     bm = BM_PROMOTED
-    regs = _dgrad_regs(h, g_h, z, glu_interleave, scaled)
     kmajor = not w2.is_contiguous()  # the transposed view of a contiguous (E, F, H): B as (E·F, H)
     b2d = w2.transpose(1, 2).reshape(E * F, H) if kmajor else w2.view(E * H, F)
     bk = FP8_BK if scaled else BK
