@@ -2,7 +2,7 @@
 # One device call: the GPU suite, then the benches, one at a time. Logs and CSV under $OUT; short
 # tables last.
 # Usage (device): bash benchmarks/gpu_sweep.sh [PART,PART...]   PART: suite gluon partsfp8 precision bench
-#   recipes profile wgradq parts, run in that order; default suite,partsfp8,recipes. A part
+#   partsbf16 recipes profile wgradq parts, run in that order; default suite,partsfp8,recipes. A part
 #   whose time limit would pass DEADLINE seconds from the start (default 590: the device's 600 s per
 #   call) is skipped.
 # suite: every test, as the README runs them (-n 8; about 4 minutes on a cold H200 host, most of it
@@ -44,6 +44,9 @@ if has precision && fits precision 60; then
 fi
 if has bench && fits bench 150; then
   timeout 150 python3 -m moemlp bench --rep-ms 100 --out "$OUT" > "$OUT/bench.log" 2>&1; tail -8 "$OUT/bench.log"
+fi
+if has partsbf16 && fits partsbf16 110; then  # the six bf16 GEMMs of a step, each alone (the README's parts table)
+  timeout 110 python3 -m moemlp bench --parts --rep-ms 40 --out "$OUT" > "$OUT/parts_bf16.log" 2>&1; tail -9 "$OUT/parts_bf16.log"
 fi
 if has recipes && fits recipes 230; then
   # shellcheck disable=SC2086
