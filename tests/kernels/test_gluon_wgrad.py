@@ -27,13 +27,10 @@ def _compile_sm90(out_fp32: bool):
         return f"tensordesc<{dtype}[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, ty)!r}>"
 
     c = "fp32" if out_fp32 else "bf16"
-    # The scales are contiguous (P/128, ·): a launch specializes their unit column strides to 1.
-    constexprs = dict(BM=BM, BN=BN, STAGES=_launch.FP8_STAGES, GROUP_N=_launch.WGRAD_GROUP_N, E_BLOCK=128,
-                      stride_gsn=1, stride_xsk=1)
-    sig = {"g_desc": desc([BM, 128], "fp8e4nv"), "x_desc": desc([BN, 128], "fp8e4nv"), "c_desc": desc([BM, BN], c),
-           "c_ptr": f"*{c}", "g_scale_ptr": "*fp32", "stride_gsb": "i32", "x_scale_ptr": "*fp32",
-           "stride_xsb": "i32", "splits_ptr": "*i32", "E": "i32", "T": "i32", "N": "i32",
-           "K": "i32"}  # fmt: skip
+    constexprs = dict(BM=BM, BN=BN, STAGES=_launch.FP8_STAGES, GROUP_N=_launch.WGRAD_GROUP_N, E_BLOCK=128)
+    sig = {"g_desc": desc([BM, 128], "fp8e4nv"), "x_desc": desc([BN, 128], "fp8e4nv"),
+           "gs_desc": desc([1, 2 * BM], "fp32"), "xs_desc": desc([1, BN], "fp32"), "c_desc": desc([BM, BN], c),
+           "c_ptr": f"*{c}", "splits_ptr": "*i32", "E": "i32", "T": "i32", "N": "i32", "K": "i32"}  # fmt: skip
     sig.update({name: "constexpr" for name in constexprs})
     sig = {name: sig[name] for name in _wgrad.fp8_wgrad_kernel.arg_names}  # in the kernel's order
     return compile_gluon_sm90(_wgrad.fp8_wgrad_kernel, sig, constexprs, ("c_ptr", "splits_ptr", "N", "K"),
@@ -43,14 +40,13 @@ def _compile_sm90(out_fp32: bool):
 @needs_gluon
 @pytest.mark.parametrize("out_fp32", [False, True], ids=["bf16-dW", "fp32-dW"])
 def test_offline_sm90_compile(out_fp32):
-    from moemlp.kernels.gluon import _wgrad
 
     sass, usage, shared = _compile_sm90(out_fp32)
-    # Its own register split: 240 a consumer (the engine's 232 spilled), 24 for the producer.
-    check_fp8_consumers(sass, usage, _wgrad.CONSUMER_REGS.value, _wgrad.PRODUCER_REGS.value, in_flight=1)
-    # The producer: the two 64-row halves of the Gᵀ block and one Xᵀ block a stage.
-    assert len(re.findall(r"\bUTMALDG\.2D\b", sass)) == 3
-    stage = (2 * _launch.FP8_BM + _launch.BN) * 128
+    # The engine's register split; one product in flight a consumer, nothing spilled.
+    check_fp8_consumers(sass, usage, in_flight=1)
+    # The producer: the two 64-row halves of the Gᵀ block, one Xᵀ block and the two scale rows a stage.
+    assert len(re.findall(r"\bUTMALDG\.2D\b", sass)) == 5
+    stage = (2 * _launch.FP8_BM + _launch.BN) * 128 + (2 * _launch.FP8_BM + _launch.BN) * 4
     tiles = 2 * _launch.FP8_BM * _launch.BN * (4 if out_fp32 else 2)
     assert _launch.FP8_STAGES * stage + tiles <= shared <= 227 * 1024, shared
 
@@ -62,6 +58,7 @@ def test_offline_sm90_compile(out_fp32):
         pytest.param(dict(out_dtype=torch.float16), "bf16 or fp32", id="fp16-dW"),
         pytest.param(dict(x_t=torch.zeros(12, 384).to(torch.float8_e4m3fn), out_dtype=torch.bfloat16),
                      "16-byte", id="K12-bf16"),
+        pytest.param(dict(g_t=torch.zeros(66, 384).to(torch.float8_e4m3fn)), "multiple of 4", id="N66"),
         pytest.param(dict(experts=257), "1 to 256 experts", id="too-many-experts"),
         pytest.param(dict(), "not a CUDA tensor", id="cpu"),
     ],

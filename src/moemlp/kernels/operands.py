@@ -568,21 +568,15 @@ def wgrad(
     return dw, db
 
 
-# fp8_block's weight gradients run on the engine where experts average at most this many rows: it
-# measured 1.1-1.5x the Triton kernel at 128-256 rows, even with it at 1024 and 0.91-0.93x at 2048
-# (docs/DECISIONS.md).
-FP8_WGRAD_ENGINE_ROWS = 512
-
-
 def fp8_wgrad_engine(g_op, x_op, splits: Tensor, T: int, out_dtype: torch.dtype) -> bool:
     """Whether fp8_block's weight gradient on these ``quantize_wgrad`` operands of T source rows runs
     on the Gluon engine (``gluon.fp8_wgrad``) rather than the Triton kernel, which gives the same
-    bits: where ``_gluon_on`` and ``gluon.fp8_wgrad_supports`` allow and the experts average at most
-    FP8_WGRAD_ENGINE_ROWS rows (no device read)."""
-    E = splits.shape[0]
-    if not _gluon_on(g_op.codes_t) or T > FP8_WGRAD_ENGINE_ROWS * E:
+    bits: wherever ``_gluon_on`` and ``gluon.fp8_wgrad_supports`` allow (no device read). With its
+    scales loaded by TMA it measured 1.27-2.3x the Triton kernel from 128 to 2048 rows an expert
+    (docs/DECISIONS.md)."""
+    if not _gluon_on(g_op.codes_t):
         return False
-    return not gluon.fp8_wgrad_supports(g_op.codes_t, x_op.codes_t, out_dtype, E)
+    return not gluon.fp8_wgrad_supports(g_op.codes_t, x_op.codes_t, out_dtype, splits.shape[0])
 
 
 def fp8_wgrad(g_op, x_op, splits: Tensor, T: int, out_dtype: torch.dtype) -> Tensor:

@@ -273,24 +273,18 @@ def _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl
 
 
 # What ``b_s_ptr`` / ``b_s_off`` of the scaled mainloop address: one B scale a tile (FC2_DGRAD,
-# the plain GEMMs), one a half (FC1: the gate half's tile at b_s_ptr, the up half's b_s_off on), or
-# one a column (the weight gradients' X scales, at b_s_ptr + the column offsets b_s_off).
+# the plain GEMMs), or one a half (FC1: the gate half's tile at b_s_ptr, the up half's b_s_off on).
 B_TILE = gl.constexpr(0)
 B_HALVES = gl.constexpr(1)
-B_COLUMNS = gl.constexpr(2)
 
 
 @gluon.jit
 def _b_scales(b_s_ptr, kk, stride_bsk, B_SCALES: gl.constexpr, b_s_off, BN: gl.constexpr, acc_layout: gl.constexpr):
-    """K block kk's B scales (``B_TILE`` …): a scalar, or one a column. The step's offset is added to
-    the scalar base before the column offsets, so that no 64-bit pointer a column stays live across
-    the loop, and the column load takes no mask (either spilled the weight-gradient kernel's
-    consumers). FC1's halves are two scalar loads and a select by column: each register's column is
-    fixed, so the select folds and the two scalars are all that stays live."""
+    """K block kk's B scales (``B_TILE`` …): a scalar, or FC1's halves, two scalar loads and a select
+    by column: each register's column is fixed, so the select folds and the two scalars are all that
+    stays live."""
     base = b_s_ptr + kk * stride_bsk
-    if B_SCALES == B_COLUMNS:
-        b_s = gl.load(base + b_s_off)
-    elif B_SCALES == B_HALVES:
+    if B_SCALES == B_HALVES:
         cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
         b_s = gl.where(cols < BN // 2, gl.load(base), gl.load(base + b_s_off))
     else:
@@ -300,7 +294,7 @@ def _b_scales(b_s_ptr, kk, stride_bsk, B_SCALES: gl.constexpr, b_s_off, BN: gl.c
 
 @gluon.jit
 def _add_scaled(total, part, a_s, b_s, B_SCALES: gl.constexpr):
-    """total + part · (a_s · b_s): the row scales times the tile's B scale, or times each column's."""
+    """total + part · (a_s · b_s): the row scales times the tile's B scale, or times each half's."""
     if B_SCALES == B_TILE:
         total += part * gl.expand_dims(a_s * b_s, 1)
     else:
@@ -342,59 +336,42 @@ def _mainloop_scaled(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.c
     """The FP8 blockwise K loop (SPEC §3, fp8_block), BK = 128 = one scale block: each step's product
     is a fresh chain of m64n128k32 e4m3 wgmma, added to the fp32 total scaled by its rows' A scales
     times its B scale, ``total += part · (a_s · b_s)`` as the Triton kernel writes it
-    (kernels/gemm/grouped.py, ``_fp8_product``); with B scales by half or by column, each product is
+    (kernels/gemm/grouped.py, ``_fp8_product``); with B scales by half, each product is
     scaled by a_s · b_s element by element, the same fp32 products as a scalar b_s gives. B is
     K-major (fp8 wgmma reads no transposed operand). ``a_s_ptrs``: this consumer's rows' scale
     pointers at K block 0; ``b_s_ptr``, ``b_s_off``: the B scales at K block 0 as ``B_SCALES`` says
-    (``_b_scales``; column offsets all in bounds: a column past the operand's edge reads some
-    column's scale, multiplies the zeros TMA filled in, and is never stored).
+    (``_b_scales``).
 
-    A scale a tile or a half: two products in flight (``_scaled_step``), in two accumulators taken
-    in turn, each added while the next one's MMAs run, in K order: the total of one in flight, bit
-    for bit. A scale a column: one in flight, its scales loaded while its MMAs run; the column
-    scales of two products and two products do not fit the consumers' 232 registers beside the
-    total (they spilled)."""
+    Two products in flight (``_scaled_step``), in two accumulators taken in turn, each added while
+    the next one's MMAs run, in K order: the total of one in flight, bit for bit. (The weight
+    gradients' scale a column is read from shared memory instead: ``_wgrad._mainloop``.)"""
     total = gl.zeros([BM, BN], gl.float32, acc_layout)
-    if B_SCALES == B_COLUMNS:
-        part = gl.zeros([BM, BN], gl.float32, acc_layout)
-        for kk in range(k_steps):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            pending = warpgroup_mma(a_ring.index(s * A_PARTS + PART), b_ring.index(s).permute((1, 0)), part,
-                                    use_acc=False, is_async=True)
-            a_s = gl.load(a_s_ptrs + kk * stride_ask, mask=row_ok, other=0.0)
-            b_s = _b_scales(b_s_ptr, kk, stride_bsk, B_SCALES, b_s_off, BN, acc_layout)
-            part = warpgroup_mma_wait(0, deps=(pending,))
-            mbarrier.arrive(empty.index(s))
-            total = _add_scaled(total, part, a_s, b_s, B_SCALES)
-            it += 1
+    even = gl.zeros([BM, BN], gl.float32, acc_layout)
+    odd = gl.zeros([BM, BN], gl.float32, acc_layout)
+    # The scales of the product in flight; the tile's first step adds zeros scaled by zeros.
+    a_s = gl.where(row_ok, 0.0, 0.0)
+    b_s = _b_scales(b_s_ptr, 0, stride_bsk, B_SCALES, b_s_off, BN, acc_layout) * 0.0
+    start = it
+    for c in range(k_steps // 2):
+        even, odd, a_s, b_s, total, it = _scaled_step(a_ring, b_ring, ready, empty, it, start, 2 * c, even, odd,
+                                                      a_s, b_s, total, acc_layout, BN, STAGES, A_PARTS, PART,
+                                                      a_s_ptrs, row_ok, stride_ask, b_s_ptr, stride_bsk,
+                                                      B_SCALES, b_s_off)
+        odd, even, a_s, b_s, total, it = _scaled_step(a_ring, b_ring, ready, empty, it, start, 2 * c + 1, odd,
+                                                      even, a_s, b_s, total, acc_layout, BN, STAGES, A_PARTS,
+                                                      PART, a_s_ptrs, row_ok, stride_ask, b_s_ptr, stride_bsk,
+                                                      B_SCALES, b_s_off)
+    # An odd step count: one more into ``even``; either way the branch ends with nothing in flight.
+    if k_steps % 2 == 1:
+        even, odd, a_s, b_s, total, it = _scaled_step(a_ring, b_ring, ready, empty, it, start, k_steps - 1,
+                                                      even, odd, a_s, b_s, total, acc_layout, BN, STAGES,
+                                                      A_PARTS, PART, a_s_ptrs, row_ok, stride_ask, b_s_ptr,
+                                                      stride_bsk, B_SCALES, b_s_off)
+        last = warpgroup_mma_wait(0, deps=(even,))
     else:
-        even = gl.zeros([BM, BN], gl.float32, acc_layout)
-        odd = gl.zeros([BM, BN], gl.float32, acc_layout)
-        # The scales of the product in flight; the tile's first step adds zeros scaled by zeros.
-        a_s = gl.where(row_ok, 0.0, 0.0)
-        b_s = _b_scales(b_s_ptr, 0, stride_bsk, B_SCALES, b_s_off, BN, acc_layout) * 0.0
-        start = it
-        for c in range(k_steps // 2):
-            even, odd, a_s, b_s, total, it = _scaled_step(a_ring, b_ring, ready, empty, it, start, 2 * c, even, odd,
-                                                          a_s, b_s, total, acc_layout, BN, STAGES, A_PARTS, PART,
-                                                          a_s_ptrs, row_ok, stride_ask, b_s_ptr, stride_bsk,
-                                                          B_SCALES, b_s_off)
-            odd, even, a_s, b_s, total, it = _scaled_step(a_ring, b_ring, ready, empty, it, start, 2 * c + 1, odd,
-                                                          even, a_s, b_s, total, acc_layout, BN, STAGES, A_PARTS,
-                                                          PART, a_s_ptrs, row_ok, stride_ask, b_s_ptr, stride_bsk,
-                                                          B_SCALES, b_s_off)
-        # An odd step count: one more into ``even``; either way the branch ends with nothing in flight.
-        if k_steps % 2 == 1:
-            even, odd, a_s, b_s, total, it = _scaled_step(a_ring, b_ring, ready, empty, it, start, k_steps - 1,
-                                                          even, odd, a_s, b_s, total, acc_layout, BN, STAGES,
-                                                          A_PARTS, PART, a_s_ptrs, row_ok, stride_ask, b_s_ptr,
-                                                          stride_bsk, B_SCALES, b_s_off)
-            last = warpgroup_mma_wait(0, deps=(even,))
-        else:
-            last = warpgroup_mma_wait(0, deps=(odd,))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=it > start)
-        total = _add_scaled(total, last, a_s, b_s, B_SCALES)
+        last = warpgroup_mma_wait(0, deps=(odd,))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=it > start)
+    total = _add_scaled(total, last, a_s, b_s, B_SCALES)
     return total, it
 
 

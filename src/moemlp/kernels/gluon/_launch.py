@@ -652,6 +652,8 @@ def fp8_wgrad_supports(g_t: torch.Tensor, x_t: torch.Tensor, out_dtype: torch.dt
     K = x_t.shape[0]
     if (K * (2 if out_dtype == torch.bfloat16 else 4)) % 16:
         return "dW's rows not 16-byte multiples (TMA)"
+    if g_t.shape[0] % 4 or K % 4:
+        return "G's or X's columns not a multiple of 4 (the scales' rows are loaded by TMA)"
     if not (g_t.is_contiguous() and x_t.is_contiguous()) or g_t.data_ptr() % 16 or x_t.data_ptr() % 16:
         return "codes not contiguous and 16-byte aligned"
     if g_t.device.type != "cuda":
@@ -690,6 +692,9 @@ def fp8_wgrad(
     bind_context(g_t.device)
     g_desc = TensorDescriptor.from_tensor(g_t, [FP8_BM, FP8_BK], _fp8_smem_layout((FP8_BM, FP8_BK)))
     x_desc = TensorDescriptor.from_tensor(x_t, [BN, FP8_BK], _fp8_smem_layout((BN, FP8_BK)))
+    # The scales by TMA, a [1, ·] row of a block's scales a stage (unswizzled fp32).
+    gs_desc = TensorDescriptor.from_tensor(g_scales.contiguous(), [1, 2 * FP8_BM], _smem_layout((1, 2 * FP8_BM), True))
+    xs_desc = TensorDescriptor.from_tensor(x_scales.contiguous(), [1, BN], _smem_layout((1, BN), True))
     c2d = out.view(E * N, K)
     c_desc = TensorDescriptor.from_tensor(c2d, [FP8_BM, BN], _smem_layout((FP8_BM, BN), out_dtype == torch.float32))
     e_block = max(32, 1 << (E - 1).bit_length())
@@ -697,8 +702,7 @@ def fp8_wgrad(
     grid = (min(_num_sms(_index(g_t.device)), tiles),)
     with torch.cuda.device(g_t.device):
         fp8_wgrad_kernel[grid](
-            g_desc, x_desc, c_desc, c2d, g_scales, g_scales.stride(0), g_scales.stride(1), x_scales,
-            x_scales.stride(0), x_scales.stride(1), splits, E, T, N, K,
+            g_desc, x_desc, gs_desc, xs_desc, c_desc, c2d, splits, E, T, N, K,
             BM=FP8_BM, BN=BN, STAGES=FP8_STAGES, GROUP_N=WGRAD_GROUP_N, E_BLOCK=e_block,
             num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip

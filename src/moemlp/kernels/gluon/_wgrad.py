@@ -21,10 +21,12 @@ transposed=True)``'s: Gᵀ (N, P) and Xᵀ (K, P) e4m3 codes in the expert-align
 (⌈T/128⌉ + E)·128 rows, expert e's rows in its own whole 128-row blocks, padding rows code 0) with
 fp32 scales (P/128, N) and (P/128, K), as the Triton kernel (kernels/gemm/fp8_wgrad.py) takes them.
 Its arithmetic, step for step: each of the expert's 128-row blocks is one 128-deep product from
-zero, scaled by g_scale[b, n] · x_scale[b, k] and added to the fp32 total (``_engine._mainloop_scaled``
-with a scale a row and a scale a column), so the two kernels give the same bits. The two consumer
-warpgroups take the two 64-row halves of each tile (cooperative), so that one's promotion overlaps
-the other's wgmma.
+zero, scaled by g_scale[b, n] · x_scale[b, k] and added to the fp32 total, so the two kernels give
+the same bits. The producer loads each block's scales by TMA into the stage beside its codes (a
+[1, 128] row of G's and one of X's), as DeepGEMM's 1D1D kernel does; the consumers read them from
+shared memory in the accumulator's layout before the step's MMAs, so no global-memory latency sits
+in a step. The two consumer warpgroups take the two 64-row halves of each tile (cooperative), so
+that one's add overlaps the other's wgmma.
 """
 
 from __future__ import annotations
@@ -42,15 +44,7 @@ from ._compat import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from ._engine import B_COLUMNS, _expert_table, _mainloop_scaled, _ring, _store_tile
-from ._engine import CONSUMER_REGS as BF16_CONSUMER_REGS
-from ._engine import PRODUCER_REGS as BF16_PRODUCER_REGS
-
-# 3 × 168 registers at launch, moved by setmaxnreg: the consumers hold a scale a column of X besides the
-# total and the product in flight, and spilled at the engine's 232; the producer's loop needs few
-# (its expert table is one field, E_BLOCK / 32 values a lane).
-CONSUMER_REGS = gl.constexpr(240)
-PRODUCER_REGS = gl.constexpr(24)
+from ._engine import CONSUMER_REGS, PRODUCER_REGS, _expert_table, _ring, _store_tile
 
 
 @gluon.jit
@@ -77,12 +71,16 @@ def _blocks(idx, block_ends, e):
 
 
 @gluon.jit
-def _producer(g_desc, x_desc, splits_ptr, E, T, N, K, a_ring, b_ring, ready, empty, BM: gl.constexpr,
-              BN: gl.constexpr, STAGES: gl.constexpr, GROUP_N: gl.constexpr, E_BLOCK: gl.constexpr):
+def _producer(g_desc, x_desc, gs_desc, xs_desc, splits_ptr, E, T, N, K, a_ring, b_ring, as_ring, bs_ring, ready,
+              empty, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP_N: gl.constexpr,
+              E_BLOCK: gl.constexpr):
+    """Each stage: a 128-row block's two BM-row halves of Gᵀ and its BN rows of Xᵀ, and the block's
+    scales of the tile's 2·BM rows of G and BN columns of X (one [1, ·] TMA box each)."""
     num_n = gl.cdiv(N, 2 * BM)
     num_k = gl.cdiv(K, BN)
     idx, _, _, block_ends, _, _ = _expert_table(splits_ptr, E, T, 1, 128, E_BLOCK, 1)
-    stage_bytes: gl.constexpr = 2 * g_desc.block_type.nbytes + x_desc.block_type.nbytes
+    stage_bytes: gl.constexpr = (2 * g_desc.block_type.nbytes + x_desc.block_type.nbytes + gs_desc.block_type.nbytes
+                                 + xs_desc.block_type.nbytes)
     it = 0
     for t in range(gl.program_id(0), E * num_n * num_k, gl.num_programs(0)):
         e, tn, tk = _coords(t, num_n, num_k, GROUP_N)
@@ -91,17 +89,54 @@ def _producer(g_desc, x_desc, splits_ptr, E, T, N, K, a_ring, b_ring, ready, emp
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             expect_bytes(ready.index(s), stage_bytes)
-            r = (first + i) * 128
+            b = first + i
             for part in gl.static_range(2):
-                tma_load(g_desc, [tn * 2 * BM + part * BM, r], ready.index(s), a_ring.index(s * 2 + part))
-            tma_load(x_desc, [tk * BN, r], ready.index(s), b_ring.index(s))
+                tma_load(g_desc, [tn * 2 * BM + part * BM, b * 128], ready.index(s), a_ring.index(s * 2 + part))
+            tma_load(x_desc, [tk * BN, b * 128], ready.index(s), b_ring.index(s))
+            tma_load(gs_desc, [b, tn * 2 * BM], ready.index(s), as_ring.index(s))
+            tma_load(xs_desc, [b, tk * BN], ready.index(s), bs_ring.index(s))
             it += 1
 
 
 @gluon.jit
-def _consumer(g_desc, x_desc, c_desc, c_ptr, g_scale_ptr, stride_gsb, stride_gsn, x_scale_ptr, stride_xsb, stride_xsk,
-              splits_ptr, E, T, N, K, a_ring, b_ring, c_tiles, ready, empty, WG: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, STAGES: gl.constexpr, GROUP_N: gl.constexpr, E_BLOCK: gl.constexpr):
+def _stage_scales(as_ring, bs_ring, s, WG: gl.constexpr, BM: gl.constexpr, acc_layout: gl.constexpr):
+    """Stage s's scales in the accumulator's layout: this consumer's BM rows of G's as a [BM, 1]
+    column, the tile's BN columns of X's as a [1, BN] row. Rows past N and columns past K are TMA's
+    zeros, which scale products of zero codes that are never stored."""
+    a_s = as_ring.index(s).slice(WG * BM, BM, dim=1).permute((1, 0)).load(acc_layout)
+    b_s = bs_ring.index(s).load(acc_layout)
+    return a_s, b_s
+
+
+@gluon.jit
+def _mainloop(a_ring, b_ring, as_ring, bs_ring, ready, empty, it, count, acc_layout: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+    """A tile's reduction over its expert's ``count`` 128-row blocks: each block one 128-deep product
+    from zero (4 e4m3 wgmma m64n128k32), waited for, then added to the fp32 total as
+    ``total += part · (g_s · x_s)``, the Triton kernel's arithmetic in its order. The block's scales
+    are read from its stage before its MMAs are issued, so the add waits on nothing but the product.
+    One product in flight, as DeepGEMM's mainloop: the other consumer's MMAs fill the tensor cores
+    during this one's add (two in flight, each added under the next one's MMAs, measured 0.72-0.92×
+    this: docs/DECISIONS.md)."""
+    total = gl.zeros([BM, BN], gl.float32, acc_layout)
+    part = gl.zeros([BM, BN], gl.float32, acc_layout)
+    for _ in range(count):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a_s, b_s = _stage_scales(as_ring, bs_ring, s, WG, BM, acc_layout)
+        pending = warpgroup_mma(a_ring.index(s * 2 + WG), b_ring.index(s).permute((1, 0)), part, use_acc=False,
+                                is_async=True)
+        part = warpgroup_mma_wait(0, deps=(pending,))
+        mbarrier.arrive(empty.index(s))
+        total += part * (a_s * b_s)
+        it += 1
+    return total, it
+
+
+@gluon.jit
+def _consumer(c_desc, c_ptr, splits_ptr, E, T, N, K, a_ring, b_ring, as_ring, bs_ring, c_tiles, ready, empty,
+              WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GROUP_N: gl.constexpr,
+              E_BLOCK: gl.constexpr):
     num_n = gl.cdiv(N, 2 * BM)
     num_k = gl.cdiv(K, BN)
     idx, _, _, block_ends, _, _ = _expert_table(splits_ptr, E, T, 1, 128, E_BLOCK, 4)
@@ -111,15 +146,9 @@ def _consumer(g_desc, x_desc, c_desc, c_ptr, g_scale_ptr, stride_gsb, stride_gsn
     for t in range(gl.program_id(0), E * num_n * num_k, gl.num_programs(0)):
         e, tn, tk = _coords(t, num_n, num_k, GROUP_N)
         count, first = _blocks(idx, block_ends, e)
-        n0 = tn * 2 * BM + WG * BM  # this warpgroup's first row of dW[e]
-        rows = n0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
-        cols = tk * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
-        g_s_ptrs = g_scale_ptr + first.to(gl.int64) * stride_gsb + rows * stride_gsn
-        x_s_base = x_scale_ptr + first.to(gl.int64) * stride_xsb
-        acc, it = _mainloop_scaled(a_ring, b_ring, ready, empty, it, count, acc_layout, BM, BN, STAGES, 2, WG,
-                                   g_s_ptrs, rows < N, stride_gsb, x_s_base, stride_xsb, B_COLUMNS,
-                                   gl.minimum(cols, K - 1) * stride_xsk)
+        acc, it = _mainloop(a_ring, b_ring, as_ring, bs_ring, ready, empty, it, count, acc_layout, BM, BN, STAGES, WG)
         row0 = e * N
+        n0 = tn * 2 * BM + WG * BM  # this warpgroup's first row of dW[e]
         _store_tile(acc, c_desc, c_ptr, c_tiles.index(WG), row0 + n0, tk * BN, row0 + N, E * N, K, BM, BN)
     store_wait(0)
 
@@ -128,14 +157,10 @@ def _consumer(g_desc, x_desc, c_desc, c_ptr, g_scale_ptr, stride_gsb, stride_gsn
 def fp8_wgrad_kernel(
     g_desc,  # Gᵀ (N, P) e4m3 codes, K-major along the padded rows; block [BM, 128]
     x_desc,  # Xᵀ (K, P) e4m3 codes; block [BN, 128]
+    gs_desc,  # G's scales (P/128, N) fp32, contiguous; block [1, 2·BM]
+    xs_desc,  # X's scales (P/128, K) fp32, contiguous; block [1, BN]
     c_desc,  # dW viewed as (E·N, K), bf16 or fp32; block [BM, BN]
     c_ptr,  # the same tensor, for the masked store of a half-tile past its expert's N rows
-    g_scale_ptr,  # (P/128, N) fp32: block b, column n at b·stride_gsb + n·stride_gsn
-    stride_gsb,
-    stride_gsn,
-    x_scale_ptr,  # (P/128, K) fp32
-    stride_xsb,
-    stride_xsk,
     splits_ptr,  # (E,) int32 / int64 rows per expert, clamped to T
     E,
     T,  # source rows
@@ -148,16 +173,16 @@ def fp8_wgrad_kernel(
     E_BLOCK: gl.constexpr,
 ):
     a_ring, b_ring, ready, empty, turn = _ring(g_desc, x_desc, BM, BN, 128, STAGES, True, 2)
+    as_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 2 * BM], gs_desc.layout)
+    bs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], xs_desc.layout)
     c_tiles = gl.allocate_shared_memory(c_desc.dtype, [2, BM, BN], c_desc.layout)
     warp_specialize([
-        (_consumer, (g_desc, x_desc, c_desc, c_ptr, g_scale_ptr, stride_gsb, stride_gsn, x_scale_ptr, stride_xsb,
-                     stride_xsk, splits_ptr, E, T, N, K, a_ring, b_ring, c_tiles, ready, empty, 0, BM, BN, STAGES,
-                     GROUP_N, E_BLOCK)),
-        (_consumer, (g_desc, x_desc, c_desc, c_ptr, g_scale_ptr, stride_gsb, stride_gsn, x_scale_ptr, stride_xsb,
-                     stride_xsk, splits_ptr, E, T, N, K, a_ring, b_ring, c_tiles, ready, empty, 1, BM, BN, STAGES,
-                     GROUP_N, E_BLOCK)),
-        (_producer, (g_desc, x_desc, splits_ptr, E, T, N, K, a_ring, b_ring, ready, empty, BM, BN, STAGES, GROUP_N,
-                     E_BLOCK)),
+        (_consumer, (c_desc, c_ptr, splits_ptr, E, T, N, K, a_ring, b_ring, as_ring, bs_ring, c_tiles, ready, empty,
+                     0, BM, BN, STAGES, GROUP_N, E_BLOCK)),
+        (_consumer, (c_desc, c_ptr, splits_ptr, E, T, N, K, a_ring, b_ring, as_ring, bs_ring, c_tiles, ready, empty,
+                     1, BM, BN, STAGES, GROUP_N, E_BLOCK)),
+        (_producer, (g_desc, x_desc, gs_desc, xs_desc, splits_ptr, E, T, N, K, a_ring, b_ring, as_ring, bs_ring,
+                     ready, empty, BM, BN, STAGES, GROUP_N, E_BLOCK)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -290,4 +315,4 @@ def wgrad_kernel(
                           BN, BK, STAGES, GROUP_N, E_BLOCK)),
         (_bf16_producer, (g_desc, x_desc, splits_ptr, E, T, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                           GROUP_N, E_BLOCK)),
-    ], [4, 1], [BF16_CONSUMER_REGS, BF16_PRODUCER_REGS])
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
