@@ -7,7 +7,7 @@ fused epilogue (dSwiGLU·probs, z, dprobs partials), which the backward runs whe
 (e4m3 codes with 1×128 and 128×128 block scales) on the engine's cooperative tiles, which the MLP's
 FC2 and FC1_DGRAD run under fp8_block where ``fp8_supports`` allows, as its FC2_DGRAD runs
 ``fc2_dgrad`` on the codes where ``fc2_dgrad_fp8_supports`` does. ``fp8_wgrad`` is fp8_block's
-weight gradient, which the MLP runs where experts are small (``kernels.operands.fp8_wgrad``), and
+weight gradient, which the MLP runs wherever it is supported (``kernels.operands.fp8_wgrad``), and
 ``wgrad`` the bf16 one (the Triton wgrad kernel's bits).
 ``fc1`` is FC1 with its GLU epilogue, bf16 or fp8_block (the Triton kernel's bits), which the MLP's
 forward runs under fp8_block, and in bf16 where K ≤ ``operands.FC1_ENGINE_MAX_K``, where
