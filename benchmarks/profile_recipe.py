@@ -32,6 +32,10 @@ def profile(
     qw = quantize_weights(w1, w2, recipe) if cached else None
 
     def step():
+        # Fresh gradients each step, as after an optimizer's zero_grad(set_to_none=True): backward into
+        # existing .grad would add an accumulation kernel per leaf that the library does not run.
+        for t in (x, probs, w1, w2):
+            t.grad = None
         y = grouped_mlp(x, splits, probs, w1, w2, recipe=recipe, quantized_weights=qw)
         y.backward(dy)
 
