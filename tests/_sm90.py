@@ -161,9 +161,9 @@ def check_fp8_consumers(sass: str, usage: str, consumer_regs: int = 232, produce
                         in_flight: int = 2, tile_spills: int = 0) -> None:
     """The engine's FP8 mainloop as its kernels compile it (kernels/gluon/_engine._mainloop_scaled):
     per consumer warpgroup one 128-deep product a step, BK / 32 = 4 e4m3 wgmma of m64n128k32 (QGMMA)
-    from zero, two in flight (``check_products_in_flight``), or with one in flight (B scales by
-    column) one product in the loop, waited for; the consumers' and the producer's setmaxnreg; at
-    most 168 registers at launch, no spills. ``tile_spills`` > 0 allows that many local-memory
+    from zero, two in flight (``check_products_in_flight``), or with one in flight (the weight
+    gradients' ``_wgrad._mainloop``) one product in the loop, waited for; the consumers' and the
+    producer's setmaxnreg; at most 168 registers at launch, no spills. ``tile_spills`` > 0 allows that many local-memory
     accesses outside the K loops (values reloaded once a tile), none inside them."""
     import re
 

@@ -40,7 +40,6 @@ def _compile_sm90(out_fp32: bool):
 @needs_gluon
 @pytest.mark.parametrize("out_fp32", [False, True], ids=["bf16-dW", "fp32-dW"])
 def test_offline_sm90_compile(out_fp32):
-
     sass, usage, shared = _compile_sm90(out_fp32)
     # The engine's register split; one product in flight a consumer, nothing spilled.
     check_fp8_consumers(sass, usage, in_flight=1)
