@@ -16,29 +16,13 @@ import argparse
 
 import torch
 
-from moemlp import quantize_weights
-from moemlp.bench.kernels import SHAPES, problem
-from moemlp.functional import grouped_mlp
+from moemlp.bench.kernels import mlp_step
 
 
 def profile(
     shape: str, recipe: str | None, steps: int, trace: bool = False, cached: bool = False
 ) -> list[tuple[str, float, int]]:
-    H, F, E, top_k, tokens = SHAPES[shape]
-    x, splits, probs, w1, w2 = problem(H, F, E, top_k, tokens)[:5]
-    x, probs, w1, w2 = (t.detach().requires_grad_() for t in (x, probs, w1, w2))
-    dy = torch.randn_like(x)
-    # cached: the weights quantized once outside the step, as a later micro-batch of a step sees them
-    qw = quantize_weights(w1, w2, recipe) if cached else None
-
-    def step():
-        # Fresh gradients each step, as after an optimizer's zero_grad(set_to_none=True): backward into
-        # existing .grad would add an accumulation kernel per leaf that the library does not run.
-        for t in (x, probs, w1, w2):
-            t.grad = None
-        y = grouped_mlp(x, splits, probs, w1, w2, recipe=recipe, quantized_weights=qw)
-        y.backward(dy)
-
+    step = mlp_step(shape, recipe, cached)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -1,6 +1,6 @@
 """The kernel benchmarks' shared parts: the model shapes, a routed problem on them, the torch
 ``_grouped_mm`` composition they are timed against, and do_bench medians. Imported by the scripts
-under benchmarks/ (bench_kernels.py, profile_recipe.py, the quantizer sweeps)."""
+under benchmarks/ (bench_kernels.py, profile_recipe.py, profile_host.py, the quantizer sweeps)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,28 @@ def problem(H, F, E, top_k, tokens, seed=0, dtype=torch.bfloat16, device="cuda")
     probs = torch.rand(M, generator=g).to(device=device, dtype=torch.float32)
     dy = r(M, H, scale=1.0)
     return x, splits.to(device), probs, w1, w2, dy
+
+
+def mlp_step(shape: str, recipe, cached: bool = False):
+    """One grouped_mlp forward + backward on an ANCHORS.md shape, as a function of no arguments; fresh
+    gradients each call, as after ``zero_grad(set_to_none=True)`` (backward into kept ``.grad`` would
+    add an accumulation kernel per leaf that a step does not run). ``cached``: the weights quantized
+    once beforehand (``quantize_weights``), as a later micro-batch of an optimizer step sees them."""
+    from .. import quantize_weights
+    from ..functional import grouped_mlp
+
+    x, splits, probs, w1, w2 = problem(*SHAPES[shape])[:5]
+    x, probs, w1, w2 = (t.detach().requires_grad_() for t in (x, probs, w1, w2))
+    dy = torch.randn_like(x)
+    qw = quantize_weights(w1, w2, recipe) if cached else None
+
+    def step():
+        for t in (x, probs, w1, w2):
+            t.grad = None
+        y = grouped_mlp(x, splits, probs, w1, w2, recipe=recipe, quantized_weights=qw)
+        y.backward(dy)
+
+    return step
 
 
 def swiglu_cfg(F):
