@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..kernels._launcher import launch
+
 __all__ = ["gather_rows", "gather_sum_rows", "gather_routed_rows", "segment_sum_rows"]
 
 # The CPU interpreter (triton 3.9) truncates fp32 -> bf16 instead of rounding to
@@ -117,7 +119,7 @@ def gather_rows(src: Tensor, index: Tensor) -> Tensor:
     out = torch.empty((index.shape[0], src.shape[1]), dtype=src.dtype, device=src.device)
     if out.numel():
         grid = (index.shape[0], triton.cdiv(src.shape[1], _BLOCK_H))
-        _gather_rows_kernel[grid](src, index, out, src.shape[1], BLOCK_H=_BLOCK_H)
+        launch(_gather_rows_kernel, grid, src, index, out, src.shape[1], BLOCK_H=_BLOCK_H)
     return out
 
 
@@ -136,7 +138,7 @@ def gather_sum_rows(src: Tensor, index: Tensor) -> Tensor:
     if out.numel():
         grid = (T, triton.cdiv(src.shape[1], _BLOCK_H))
         acc_dtype = tl.float64 if src.dtype == torch.float64 else tl.float32
-        _gather_sum_rows_kernel[grid](
+        launch(_gather_sum_rows_kernel, grid,
             src, index, out, src.shape[1], K, BLOCK_H=_BLOCK_H, ACC_DTYPE=acc_dtype
         )
     return out.to(src.dtype) if fp32_store else out
@@ -157,7 +159,7 @@ def gather_routed_rows(x: Tensor, x_index: Tensor, routed: Tensor) -> Tensor:
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     if out.numel():
         grid = (M, triton.cdiv(H, _BLOCK_H))
-        _gather_routed_rows_kernel[grid](x, x_index, routed, out, x.shape[0], H, BLOCK_H=_BLOCK_H)
+        launch(_gather_routed_rows_kernel, grid, x, x_index, routed, out, x.shape[0], H, BLOCK_H=_BLOCK_H)
     return out
 
 
@@ -176,7 +178,7 @@ def segment_sum_rows(src: Tensor, order: Tensor, offsets: Tensor) -> Tensor:
     if out.numel():
         grid = (T, triton.cdiv(H, _BLOCK_H))
         acc_dtype = tl.float64 if src.dtype == torch.float64 else tl.float32
-        _segment_sum_rows_kernel[grid](src, order, offsets, out, H, BLOCK_H=_BLOCK_H, ACC_DTYPE=acc_dtype)
+        launch(_segment_sum_rows_kernel, grid, src, order, offsets, out, H, BLOCK_H=_BLOCK_H, ACC_DTYPE=acc_dtype)
     return out.to(src.dtype) if fp32_store else out
 
 

@@ -20,6 +20,7 @@ import triton
 from torch import Tensor
 
 from .._cuda_context import bind_context
+from .._launcher import launch
 from .common import INTERPRET, TensorDescriptor
 from .dprobs import dprobs_reduce_kernel
 from .epilogue import FC1, FC1_DGRAD, FC2, FC2_DGRAD
@@ -272,7 +273,7 @@ def launch_grouped_gemm(
         b_rows = 2 * config.BN if paired else config.BN  # paired: gate and up rows of BN columns
         b_block = [1, b_rows, config.BK] if b_kmajor else [1, config.BK, b_rows]
         b_desc = _descriptor(b, b_block)
-    grouped_gemm_kernel[(programs,)](
+    launch(grouped_gemm_kernel, (programs,),
         a, b, a_desc, b_desc, splits,
         probs if probs is not None else dummy,
         bias if bias is not None else dummy,
@@ -347,7 +348,7 @@ def launch_dprobs_reduce(
         block_r = max(16, min(128, 16384 // experts_block))
     else:
         block_r = 128
-    dprobs_reduce_kernel[(triton.cdiv(M, block_r),)](
+    launch(dprobs_reduce_kernel, (triton.cdiv(M, block_r),),
         partial,
         dy,
         fc2_bias if fc2_bias is not None else dy,
@@ -387,7 +388,7 @@ def launch_grouped_wgrad(
     use_tma = do_w and M > 0 and _tma_ok(g, x)
     g_desc = _descriptor(g, [config.BK, config.BM]) if use_tma else None
     x_desc = _descriptor(x, [config.BK, config.BN]) if use_tma else None
-    grouped_wgrad_kernel[grid](
+    launch(grouped_wgrad_kernel, grid,
         g,
         x if x is not None else g,
         g_desc,
@@ -472,7 +473,7 @@ def _launch_fp8_wgrad(g_t, g_scales, x_t, x_scales, splits, T, out_dtype, config
     g_desc = _descriptor(g_t, [config.BN, BLOCK]) if use_tma else None
     x_desc = _descriptor(x_t, [config.BK, BLOCK]) if use_tma else None
     grid = (E * triton.cdiv(N, config.BN) * triton.cdiv(K, config.BK),)
-    fp8_wgrad_kernel[grid](
+    launch(fp8_wgrad_kernel, grid,
         g_t, g_scales, x_t, x_scales, g_desc, x_desc, splits, out,
         T, P, N, K, E,
         g_scales.stride(0), g_scales.stride(1), x_scales.stride(0), x_scales.stride(1),

@@ -8,6 +8,7 @@ import functools
 import torch
 
 from .._cuda_context import bind_context
+from .._launcher import launch
 from ._compat import why_unavailable
 
 # 128×128×64 tiles, 4 stages: (128 + 128)·64·2 B = 32 KiB a stage, 128 KiB of ring + 2 × 32 KiB of
@@ -218,7 +219,7 @@ def grouped_gemm(
     device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     grid = (min(_num_sms(device_index), tile_bound),)
     with torch.cuda.device(a.device):
-        grouped_gemm_kernel[grid](
+        launch(grouped_gemm_kernel, grid,
             a_desc, b_desc, c_desc, out, splits, E, M, N, K,
             BM=bm, BN=BN, BK=BK, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor,
             PROMOTE=promote // BK, num_warps=NUM_WARPS, maxnreg=MAXNREG,
@@ -405,7 +406,7 @@ def fc2_dgrad(
     grid = (min(_num_sms(_index(dy.device)), tile_bound),)
     dummy = g_h  # never dereferenced: the constexpr flags switch its loads and stores off
     with torch.cuda.device(dy.device):
-        fc2_dgrad_kernel[grid](
+        launch(fc2_dgrad_kernel, grid,
             a_desc, b_desc, h_desc, gh_desc, z_desc, h, g_h, z if z is not None else dummy,
             probs if probs is not None else dummy, partial if partial is not None else dummy, *scale_args, splits,
             E, M, F, H, N1,
@@ -519,7 +520,7 @@ def grouped_gemm_fp8(
     tile_bound = (-(-M // (2 * FP8_BM)) + E) * -(-N // BN)
     grid = (min(_num_sms(_index(a.device)), tile_bound),)
     with torch.cuda.device(a.device):
-        grouped_gemm_fp8_kernel[grid](
+        launch(grouped_gemm_fp8_kernel, grid,
             a_desc, b_desc, c_desc, out, a_scale, a_scale.stride(0), a_scale.stride(1), b_scale, b_scale.stride(0),
             b_scale.stride(1), b_scale.stride(2), splits, E, M, N, K,
             BM=FP8_BM, BN=BN, BK=FP8_BK, STAGES=FP8_STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block,
@@ -622,7 +623,7 @@ def fc1(
     grid = (min(_num_sms(_index(x.device)), tile_bound),)
     dummy = h  # never dereferenced: the constexpr flags switch its loads and stores off
     with torch.cuda.device(x.device):
-        fc1_kernel[grid](
+        launch(fc1_kernel, grid,
             a_desc, b_desc, h_desc, z_desc, h, z if z is not None else dummy, bias if bias is not None else dummy,
             probs if probs is not None else dummy, *scale_args, splits, E, M, F, H, N1,
             float(params[0]), float(params[1]), float(params[2]),
@@ -701,7 +702,7 @@ def fp8_wgrad(
     tiles = E * -(-N // (2 * FP8_BM)) * -(-K // BN)
     grid = (min(_num_sms(_index(g_t.device)), tiles),)
     with torch.cuda.device(g_t.device):
-        fp8_wgrad_kernel[grid](
+        launch(fp8_wgrad_kernel, grid,
             g_desc, x_desc, gs_desc, xs_desc, c_desc, c2d, splits, E, T, N, K,
             BM=FP8_BM, BN=BN, STAGES=FP8_STAGES, GROUP_N=WGRAD_GROUP_N, E_BLOCK=e_block,
             num_warps=NUM_WARPS, maxnreg=MAXNREG,
@@ -787,7 +788,7 @@ def wgrad(
     tiles = E * -(-N // WGRAD_BM) * -(-K // WGRAD_BN)
     grid = (min(_num_sms(_index(g.device)), tiles),)
     with torch.cuda.device(g.device):
-        wgrad_kernel[grid](
+        launch(wgrad_kernel, grid,
             g_desc, x_desc, c_desc, c2d, splits, E, T, N, K,
             BM=WGRAD_BM, BN=WGRAD_BN, BK=bk, STAGES=stages,
             GROUP_N=WGRAD_GROUP_N, E_BLOCK=e_block, num_warps=NUM_WARPS, maxnreg=MAXNREG,

@@ -32,6 +32,7 @@ import torch
 import triton
 from torch import Tensor
 
+from .._launcher import launch
 from ..gemm.launch import _num_programs
 from .kernels import _amax_kernel, _quantize_kernel, _row_blocks_kernel, _weight_tiles_kernel, _wgrad_kernel
 
@@ -81,7 +82,7 @@ def tensor_amax(x: Tensor) -> Tensor:
     block = 4096
     partial = torch.zeros(max(triton.cdiv(n, block), 1), dtype=torch.float32, device=x.device)
     if n:
-        _amax_kernel[(triton.cdiv(n, block),)](x.reshape(-1), partial, n, BLOCK=block)
+        launch(_amax_kernel, (triton.cdiv(n, block),), x.reshape(-1), partial, n, BLOCK=block)
     return partial.amax()
 
 
@@ -151,7 +152,7 @@ def quantize(x: Tensor, recipe, axis: int = -1):
         codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     grid, bm, bk, nblk, warps = _block_grid(x, rid, block, rowwise)
     if x.numel():
-        _quantize_kernel[grid](
+        launch(_quantize_kernel, grid,
             x, codes, scales, amax, M, K, codes, STORE_T=False,
             RECIPE=rid, AXIS=_ROWWISE if rowwise else _COLWISE, BM=bm, BK=bk, NB=nblk,
             POW2=bool(getattr(recipe, "pow2_scales", False)), VMAX=_vmax(x.dtype), DEQUANT=False, num_warps=warps,
@@ -188,7 +189,7 @@ def _weight_tiles(
         return
     batch = w.numel() // (M * K)
     tiles = triton.cdiv(M, 128) * triton.cdiv(K, 128) * batch
-    _weight_tiles_kernel[(_num_programs(w.device, tiles),)](
+    launch(_weight_tiles_kernel, (_num_programs(w.device, tiles),),
         w, out, out if codes_t is None else codes_t, out if scales is None else scales, M, K, batch,
         POW2=pow2, VMAX=_vmax(w.dtype), DEQUANT=dequant, STORE_T=codes_t is not None, num_warps=_TILE_WARPS,
     )  # fmt: skip
@@ -259,7 +260,7 @@ def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tens
     eb = max(16, triton.next_power_of_2(num_experts))
     chunk = max(1, min(256, 4096 // eb))  # a (chunk, eb) comparison a program: ≤ 32 values a thread
     if max(nb, num_rows):
-        _row_blocks_kernel[(triton.cdiv(max(nb, num_rows), chunk),)](
+        launch(_row_blocks_kernel, (triton.cdiv(max(nb, num_rows), chunk),),
             splits, start, count, rows, num_experts, num_rows, nb, B=block, EB=eb, CHUNK=chunk, num_warps=4
         )
     return start, count, rows, nb
@@ -313,19 +314,19 @@ def _wgrad_launch(
     if K > 0 and nb > 0:
         if rid == _NVFP4:
             partial = torch.empty(grid, dtype=torch.float32, device=t.device)
-            _wgrad_kernel[grid](
+            launch(_wgrad_kernel, grid,
                 t, start, count, partial, partial, partial, T, K, partial, AMAX_ONLY=True, DEQUANT=False,
                 STORE_T=False, STORE_ROWS=False, **common,
             )  # fmt: skip
             amax = partial.amax()
         if out is None:
-            _wgrad_kernel[grid](
+            launch(_wgrad_kernel, grid,
                 t, start, count, codes, scales, amax, T, K, codes_t if transposed else codes, AMAX_ONLY=False,
                 DEQUANT=False, STORE_T=transposed, STORE_ROWS=not transposed, **common,
             )  # fmt: skip
         else:
             s_dec = factor if factor is not None else out
-            _wgrad_kernel[grid](
+            launch(_wgrad_kernel, grid,
                 t, start, count, out, s_dec, amax, T, K, out, AMAX_ONLY=False, DEQUANT=True, STORE_T=False,
                 STORE_ROWS=False, **common,
             )  # fmt: skip
@@ -466,7 +467,7 @@ def dequantized(
     amax = tensor_amax(x) if rid == _NVFP4 else x  # x: a placeholder, read by nvfp4 only
     grid, bm, bk, nblk, warps = _block_grid(x, rid, recipe.block, rowwise)
     if x.numel():
-        _quantize_kernel[grid](
+        launch(_quantize_kernel, grid,
             x, values, factor if factor is not None else values, amax, M, K, values, STORE_T=False,
             RECIPE=rid, AXIS=_ROWWISE if rowwise else _COLWISE, BM=bm, BK=bk, NB=nblk,
             POW2=bool(getattr(recipe, "pow2_scales", False)), VMAX=_vmax(x.dtype), DEQUANT=True, num_warps=warps,
