@@ -293,7 +293,7 @@ def _fp8_shape_rows(shape, r, device: torch.device, rep_ms: int) -> list[dict]:
             row.update(tflops=flops / t / 1e9, pct_mm=100.0 * t_mm / t)
             if gemm_kind is None:
                 g_op, t_op = ops[operand]
-                engine = operands.fp8_wgrad_engine(g_op, t_op, splits, M, weight)
+                engine = operands.fp8_wgrad_engine(g_op, t_op, splits, weight)
                 row["kernel"] = "gluon fp8_wgrad" if engine else "triton"
             else:
                 b_op = weight.forward() if gemm_kind in ("fc1", "fc2") else weight.dgrad()

@@ -568,8 +568,8 @@ def wgrad(
     return dw, db
 
 
-def fp8_wgrad_engine(g_op, x_op, splits: Tensor, T: int, out_dtype: torch.dtype) -> bool:
-    """Whether fp8_block's weight gradient on these ``quantize_wgrad`` operands of T source rows runs
+def fp8_wgrad_engine(g_op, x_op, splits: Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether fp8_block's weight gradient on these ``quantize_wgrad`` operands runs
     on the Gluon engine (``gluon.fp8_wgrad``) rather than the Triton kernel, which gives the same
     bits: wherever ``_gluon_on`` and ``gluon.fp8_wgrad_supports`` allow (no device read). With its
     scales loaded by TMA it measured 1.27-2.3x the Triton kernel from 128 to 2048 rows an expert
@@ -582,7 +582,7 @@ def fp8_wgrad_engine(g_op, x_op, splits: Tensor, T: int, out_dtype: torch.dtype)
 def fp8_wgrad(g_op, x_op, splits: Tensor, T: int, out_dtype: torch.dtype) -> Tensor:
     """fp8_block's dW (E, N, K) = dequant(G)[R_e]ᵀ @ dequant(X)[R_e] from the transposed codes of
     ``quantize_wgrad`` (T source rows), on the kernel ``fp8_wgrad_engine`` picks."""
-    if fp8_wgrad_engine(g_op, x_op, splits, T, out_dtype):
+    if fp8_wgrad_engine(g_op, x_op, splits, out_dtype):
         return gluon.fp8_wgrad(g_op.codes_t, g_op.scales, x_op.codes_t, x_op.scales, splits, T, out_dtype)
     return launch.fp8_grouped_wgrad(g_t=g_op.codes_t, g_scales=g_op.scales, x_t=x_op.codes_t, x_scales=x_op.scales,
                                     splits=splits, T=T, out_dtype=out_dtype)  # fmt: skip
