@@ -7,8 +7,8 @@ Per recipe it prints the host time a step takes to enqueue (no synchronization i
 the GPU time of a step, the CUDA runtime / driver calls a step makes (launches, copies,
 synchronizations: a device-to-host copy or a synchronize inside a step is a bug), and cProfile's
 functions with the most time of their own and the most time under them, and the inclusive host
-time of every function of moemlp's kernel layers and of every Triton kernel's launch, timed by
-wrappers (``--out DIR`` also writes cProfile's stats, one file a recipe, for ``pstats``).
+time of every function of moemlp's kernel layers and of every kernel's launch, timed by
+wrappers; ``--launches`` also times each launch of a step four ways (``--out DIR`` also writes cProfile's stats, one file a recipe, for ``pstats``).
 ``fp8_block_wcache``: fp8_block with the weights quantized once before the steps (``quantize_weights``).
 """
 
@@ -69,6 +69,11 @@ TIMED_MODULES = ("moemlp.kernels.mlp", "moemlp.kernels.operands", "moemlp.kernel
                  "moemlp.kernels.quant.api", "moemlp.kernels.gemm.launch", "moemlp._quantized_weights")
 
 
+# The modules that launch kernels (each imports kernels/_launcher.launch by name).
+LAUNCHING_MODULES = ("moemlp.kernels.gluon._launch", "moemlp.kernels.gemm.launch", "moemlp.kernels.quant.api",
+                     "moemlp.moe._kernels")
+
+
 class Timers:
     """Inclusive host time and calls of wrapped functions (a nested call counts in both)."""
 
@@ -92,28 +97,31 @@ class Timers:
         return timed
 
     def install(self):
-        import triton.runtime.jit as jit
+        from moemlp.kernels import _launcher
 
         for modname in TIMED_MODULES:
             mod = importlib.import_module(modname)
             for attr, fn in list(vars(mod).items()):
                 if inspect.isfunction(fn) and fn.__module__ == modname:
                     setattr(mod, attr, self.wrap(f"{modname.split('.')[-1]}.{attr}", fn))
-        run = jit.JITFunction.run
+        # Every launch of the package goes through kernels/_launcher.launch, imported by name into
+        # the launcher modules: each module's name is replaced by one timed under the kernel's name.
+        launch = _launcher.launch
         timers = self
 
-        def timed_run(self, *args, **kwargs):
+        def timed_launch(kernel, grid, *args, **kw):
             if not timers.on:
-                return run(self, *args, **kwargs)
+                return launch(kernel, grid, *args, **kw)
             t0 = time.perf_counter()
             try:
-                return run(self, *args, **kwargs)
+                return launch(kernel, grid, *args, **kw)
             finally:
-                name = f"launch {self.fn.__name__}"
+                name = f"launch {getattr(kernel, 'fn', kernel).__name__}"
                 timers.ms[name] += (time.perf_counter() - t0) * 1e3
                 timers.calls[name] += 1
 
-        jit.JITFunction.run = timed_run
+        for modname in LAUNCHING_MODULES:
+            importlib.import_module(modname).launch = timed_launch
 
     def table(self, steps: int, step_ms: float) -> str:
         lines = [f"{'ms a step':>10} {'calls':>6}  function (inclusive; a step {step_ms:.3f} ms under the timers)"]
@@ -122,28 +130,37 @@ class Timers:
         return "\n".join(lines)
 
 
-def launch_costs(step, reps: int) -> list[tuple[str, float, float, float, int]]:
-    """Each Triton launch of one step, timed three ways (µs a launch, no synchronization inside a
-    loop): the launch as the library makes it (JITFunction.run: binding, specialization, cache
-    lookup, launcher); the lookup alone (``warmup=True``, nothing launched); the compiled kernel's
-    launcher called directly with the bound arguments. Also the number of arguments."""
+def launch_costs(step, reps: int) -> list[tuple[str, float, float, float, float, int]]:
+    """Each Triton launch of one step, timed four ways (µs a launch, no synchronization inside a
+    loop): through JITFunction.run (``kernel[grid]``: binding, specialization, cache lookup,
+    launcher); its lookup alone (``warmup=True``, nothing launched); the compiled kernel's launcher
+    called directly with the bound arguments; moemlp's ``kernels/_launcher.launch``. Also the
+    number of arguments."""
     import triton.runtime.jit as jit
     from triton import knobs
     from triton.runtime.driver import driver
 
+    from moemlp.kernels import _launcher
+
     recorded = []
-    run = jit.JITFunction.run
+    launches = {modname: importlib.import_module(modname).launch for modname in LAUNCHING_MODULES}
 
-    def record(self, *args, grid, warmup, **kwargs):
-        recorded.append((self, args, grid, dict(kwargs)))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+    def recorder(launch):
+        def record(kernel, grid, *args, **kw):
+            recorded.append((kernel, grid, args, dict(kw)))
+            return launch(kernel, grid, *args, **kw)
 
-    jit.JITFunction.run = record
+        return record
+
+    for modname, launch in launches.items():
+        importlib.import_module(modname).launch = recorder(launch)
     try:
         step()
     finally:
-        jit.JITFunction.run = run
+        for modname, launch in launches.items():
+            importlib.import_module(modname).launch = launch
     torch.cuda.synchronize()
+    recorded = [r for r in recorded if isinstance(r[0], jit.JITFunction)]
 
     def per_call(fn) -> float:
         torch.cuda.synchronize()
@@ -171,7 +188,8 @@ def launch_costs(step, reps: int) -> list[tuple[str, float, float, float, int]]:
 
         full = per_call(lambda fn=fn, args=args, grid=grid, kwargs=kwargs: fn[grid](*args, **kwargs))
         lookup = per_call(lambda fn=fn, args=args, grid=grid, kwargs=kwargs: fn.run(*args, grid=grid, warmup=True, **kwargs))
-        rows.append((fn.fn.__name__, full, lookup, per_call(direct), len(values)))
+        ours = per_call(lambda fn=fn, args=args, grid=grid, kwargs=kwargs: _launcher.launch(fn, grid, *args, **kwargs))
+        rows.append((fn.fn.__name__, full, lookup, per_call(direct), ours, len(values)))
     return rows
 
 
@@ -182,7 +200,7 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--quick", action="store_true", help="host and GPU time a step only")
-    p.add_argument("--launches", action="store_true", help="also each launch of a step, timed three ways")
+    p.add_argument("--launches", action="store_true", help="also each launch of a step, timed four ways")
     p.add_argument("--out", default=None, help="a folder for cProfile's stats (recipe.pstats)")
     args = p.parse_args()
     timers = Timers()
@@ -234,10 +252,12 @@ def main():
         print(timers.table(args.steps, timed_ms))
         if args.launches:
             rows = launch_costs(step, 50)
-            print("-- each launch of a step, µs: as launched / lookup alone / compiled launcher directly / arguments")
-            for kname, full, lookup, direct, n in rows:
-                print(f"{full:8.1f} {lookup:8.1f} {direct:8.1f} {n:4d}  {kname}")
-            print(f"{sum(r[1] for r in rows):8.1f} {sum(r[2] for r in rows):8.1f} {sum(r[3] for r in rows):8.1f}       a step")
+            print("-- each launch of a step, µs: kernel[grid] / its lookup alone / compiled launcher directly / "
+                  "moemlp's launch / arguments")
+            for kname, full, lookup, direct, ours, n in rows:
+                print(f"{full:8.1f} {lookup:8.1f} {direct:8.1f} {ours:8.1f} {n:4d}  {kname}")
+            sums = [sum(r[i] for r in rows) for i in range(1, 5)]
+            print("".join(f"{v:8.1f} " for v in sums) + "      a step")
         summary.append((name, host, gpu, calls["(kernels on the GPU)"]))
     print("\nrecipe              host ms  GPU ms  kernels a step")
     for name, host, gpu, k in summary:
