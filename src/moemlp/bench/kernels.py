@@ -36,15 +36,17 @@ def problem(H, F, E, top_k, tokens, seed=0, dtype=torch.bfloat16, device="cuda")
     return x, splits.to(device), probs, w1, w2, dy
 
 
-def mlp_step(shape: str, recipe, cached: bool = False):
+def mlp_step(shape: str, recipe, cached: bool = False, device="cuda", tokens=None, backend="auto"):
     """One grouped_mlp forward + backward on an ANCHORS.md shape, as a function of no arguments; fresh
     gradients each call, as after ``zero_grad(set_to_none=True)`` (backward into kept ``.grad`` would
     add an accumulation kernel per leaf that a step does not run). ``cached``: the weights quantized
-    once beforehand (``quantize_weights``), as a later micro-batch of an optimizer step sees them."""
+    once beforehand (``quantize_weights``), as a later micro-batch of an optimizer step sees them.
+    ``tokens`` replaces the shape's token count."""
     from .. import quantize_weights
     from ..functional import grouped_mlp
 
-    x, splits, probs, w1, w2 = problem(*SHAPES[shape])[:5]
+    H, F, E, top_k, shape_tokens = SHAPES[shape]
+    x, splits, probs, w1, w2 = problem(H, F, E, top_k, tokens or shape_tokens, device=device)[:5]
     x, probs, w1, w2 = (t.detach().requires_grad_() for t in (x, probs, w1, w2))
     dy = torch.randn_like(x)
     qw = quantize_weights(w1, w2, recipe) if cached else None
@@ -52,7 +54,7 @@ def mlp_step(shape: str, recipe, cached: bool = False):
     def step():
         for t in (x, probs, w1, w2):
             t.grad = None
-        y = grouped_mlp(x, splits, probs, w1, w2, recipe=recipe, quantized_weights=qw)
+        y = grouped_mlp(x, splits, probs, w1, w2, recipe=recipe, quantized_weights=qw, backend=backend)
         y.backward(dy)
 
     return step
