@@ -8,6 +8,7 @@ so ``fullgraph=True`` holds although the torch backend has data-dependent shapes
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Optional
 
@@ -48,12 +49,21 @@ def _backend_module(name: str):
 def _make_config(
     activation: str, activation_params, glu_interleave: int, scale_fc2_bias: bool, recipe_key: str
 ) -> MLPConfig:
+    return _config(activation, tuple(float(p) for p in activation_params), int(glu_interleave),
+                   bool(scale_fc2_bias), recipe_key)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _config(activation: str, activation_params: tuple, glu_interleave: int, scale_fc2_bias: bool,
+            recipe_key: str) -> MLPConfig:  # fmt: skip
+    """The ops' MLPConfig, built once per option set (MLPConfig and the recipes are frozen): each op
+    call rebuilt it, a recipe's key parsed and validated, on the host's path of every step."""
     recipe = _recipes().from_key(recipe_key) if recipe_key else None
     return MLPConfig(
         activation=ACTIVATIONS[activation],
-        activation_params=tuple(float(p) for p in activation_params),
-        glu_interleave=int(glu_interleave),
-        scale_fc2_bias=bool(scale_fc2_bias),
+        activation_params=activation_params,
+        glu_interleave=glu_interleave,
+        scale_fc2_bias=scale_fc2_bias,
         recipe=recipe,
     )
 

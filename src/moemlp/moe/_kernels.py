@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..kernels._launcher import launch
+from ..kernels._launcher import cdiv, launch
 
 __all__ = ["gather_rows", "gather_sum_rows", "gather_routed_rows", "segment_sum_rows"]
 
@@ -118,7 +118,7 @@ def gather_rows(src: Tensor, index: Tensor) -> Tensor:
     """out[i] = src[index[i]]; src (R, H) contiguous, index (M,) int64 on src's device."""
     out = torch.empty((index.shape[0], src.shape[1]), dtype=src.dtype, device=src.device)
     if out.numel():
-        grid = (index.shape[0], triton.cdiv(src.shape[1], _BLOCK_H))
+        grid = (index.shape[0], cdiv(src.shape[1], _BLOCK_H))
         launch(_gather_rows_kernel, grid, src, index, out, src.shape[1], BLOCK_H=_BLOCK_H)
     return out
 
@@ -136,7 +136,7 @@ def gather_sum_rows(src: Tensor, index: Tensor) -> Tensor:
     out_dtype = torch.float32 if fp32_store else src.dtype
     out = torch.empty((T, src.shape[1]), dtype=out_dtype, device=src.device)
     if out.numel():
-        grid = (T, triton.cdiv(src.shape[1], _BLOCK_H))
+        grid = (T, cdiv(src.shape[1], _BLOCK_H))
         acc_dtype = tl.float64 if src.dtype == torch.float64 else tl.float32
         launch(_gather_sum_rows_kernel, grid,
             src, index, out, src.shape[1], K, BLOCK_H=_BLOCK_H, ACC_DTYPE=acc_dtype
@@ -158,7 +158,7 @@ def gather_routed_rows(x: Tensor, x_index: Tensor, routed: Tensor) -> Tensor:
         return torch.zeros((M, H), dtype=x.dtype, device=x.device)
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     if out.numel():
-        grid = (M, triton.cdiv(H, _BLOCK_H))
+        grid = (M, cdiv(H, _BLOCK_H))
         launch(_gather_routed_rows_kernel, grid, x, x_index, routed, out, x.shape[0], H, BLOCK_H=_BLOCK_H)
     return out
 
@@ -176,7 +176,7 @@ def segment_sum_rows(src: Tensor, order: Tensor, offsets: Tensor) -> Tensor:
     fp32_store = _INTERPRET_BF16_STORE_FP32 and src.dtype == torch.bfloat16
     out = torch.empty((T, H), dtype=torch.float32 if fp32_store else src.dtype, device=src.device)
     if out.numel():
-        grid = (T, triton.cdiv(H, _BLOCK_H))
+        grid = (T, cdiv(H, _BLOCK_H))
         acc_dtype = tl.float64 if src.dtype == torch.float64 else tl.float32
         launch(_segment_sum_rows_kernel, grid, src, order, offsets, out, H, BLOCK_H=_BLOCK_H, ACC_DTYPE=acc_dtype)
     return out.to(src.dtype) if fp32_store else out

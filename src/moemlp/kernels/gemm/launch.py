@@ -16,11 +16,10 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import triton
 from torch import Tensor
 
 from .._cuda_context import bind_context
-from .._launcher import launch
+from .._launcher import cdiv, launch, next_power_of_2
 from .common import INTERPRET, TensorDescriptor
 from .dprobs import dprobs_reduce_kernel
 from .epilogue import FC1, FC1_DGRAD, FC2, FC2_DGRAD
@@ -114,7 +113,7 @@ def fp8_config(kind: str, glu: bool) -> GemmConfig:
 
 def dprobs_parts(config: GemmConfig, N: int) -> int:
     """Rows of FC2_DGRAD's dprobs partials: one per N tile of F columns."""
-    return triton.cdiv(N, config.BN)
+    return cdiv(N, config.BN)
 
 
 @dataclass(frozen=True)
@@ -157,7 +156,7 @@ def _num_programs(device: torch.device, bound: int) -> int:
 
 
 def _e_block(E: int) -> int:
-    return max(16, triton.next_power_of_2(E))
+    return max(16, next_power_of_2(E))
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -265,7 +264,7 @@ def launch_grouped_gemm(
     params = tuple(cfg.activation_params) + (0.0,) * (3 - len(cfg.activation_params)) if cfg else (0.0,) * 3
     dummy = a  # never dereferenced: the constexpr flags switch its loads and stores off
     paired = pairs and (use_tma or not b_kmajor)
-    bound = (triton.cdiv(M, config.BM) + E + 1) * triton.cdiv(N, config.BN)
+    bound = (cdiv(M, config.BM) + E + 1) * cdiv(N, config.BN)
     programs = _num_programs(a.device, bound)
     a_desc = b_desc = None
     if use_tma:
@@ -348,7 +347,7 @@ def launch_dprobs_reduce(
         block_r = max(16, min(128, 16384 // experts_block))
     else:
         block_r = 128
-    launch(dprobs_reduce_kernel, (triton.cdiv(M, block_r),),
+    launch(dprobs_reduce_kernel, (cdiv(M, block_r),),
         partial,
         dy,
         fc2_bias if fc2_bias is not None else dy,
@@ -384,7 +383,7 @@ def launch_grouped_wgrad(
     E = splits.shape[0]
     Q = x.shape[1] if x is not None else 1
     do_w = dw is not None
-    grid = (E * triton.cdiv(P, config.BM) * (triton.cdiv(Q, config.BN) if do_w else 1),)
+    grid = (E * cdiv(P, config.BM) * (cdiv(Q, config.BN) if do_w else 1),)
     use_tma = do_w and M > 0 and _tma_ok(g, x)
     g_desc = _descriptor(g, [config.BK, config.BM]) if use_tma else None
     x_desc = _descriptor(x, [config.BK, config.BN]) if use_tma else None
@@ -449,7 +448,7 @@ def fp8_grouped_wgrad(
             raise ValueError(f"{what}: expected ({P // BLOCK}, {C}) float32, got {tuple(t.shape)} {t.dtype}")
     if not isinstance(splits, Tensor) or splits.dtype not in (torch.int32, torch.int64) or splits.ndim != 1:
         raise TypeError("splits: expected an (E,) int32/int64 tensor")
-    if P != (triton.cdiv(T, BLOCK) + splits.shape[0]) * BLOCK:
+    if P != (cdiv(T, BLOCK) + splits.shape[0]) * BLOCK:
         raise ValueError(f"T: expected the rows with P = (ceil(T/128) + E)·128 = {P}, got T = {T}")
     g_t, x_t = g_t.view(torch.float8_e4m3fn), x_t.view(torch.float8_e4m3fn)
     return _launch_fp8_wgrad(g_t, g_scales, x_t, x_scales, splits, T, out_dtype, config)
@@ -472,7 +471,7 @@ def _launch_fp8_wgrad(g_t, g_scales, x_t, x_scales, splits, T, out_dtype, config
         raise ValueError("config: USE_TMA needs triton's TensorDescriptor and 16-byte aligned code rows")
     g_desc = _descriptor(g_t, [config.BN, BLOCK]) if use_tma else None
     x_desc = _descriptor(x_t, [config.BK, BLOCK]) if use_tma else None
-    grid = (E * triton.cdiv(N, config.BN) * triton.cdiv(K, config.BK),)
+    grid = (E * cdiv(N, config.BN) * cdiv(K, config.BK),)
     launch(fp8_wgrad_kernel, grid,
         g_t, g_scales, x_t, x_scales, g_desc, x_desc, splits, out,
         T, P, N, K, E,

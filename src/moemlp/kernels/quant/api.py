@@ -29,10 +29,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 from torch import Tensor
 
-from .._launcher import launch
+from .._launcher import cdiv, launch, next_power_of_2
 from ..gemm.launch import _num_programs
 from .kernels import _amax_kernel, _quantize_kernel, _row_blocks_kernel, _weight_tiles_kernel, _wgrad_kernel
 
@@ -80,9 +79,9 @@ def tensor_amax(x: Tensor) -> Tensor:
     a fixed-order reduction; no host read)."""
     n = x.numel()
     block = 4096
-    partial = torch.zeros(max(triton.cdiv(n, block), 1), dtype=torch.float32, device=x.device)
+    partial = torch.zeros(max(cdiv(n, block), 1), dtype=torch.float32, device=x.device)
     if n:
-        launch(_amax_kernel, (triton.cdiv(n, block),), x.reshape(-1), partial, n, BLOCK=block)
+        launch(_amax_kernel, (cdiv(n, block),), x.reshape(-1), partial, n, BLOCK=block)
     return partial.amax()
 
 
@@ -121,11 +120,11 @@ def _block_grid(x: Tensor, rid: int, block: int, rowwise: bool) -> tuple[tuple[i
     if rowwise:
         bm, bk, warps = ROW_TILE
         nb = max(1, bk // block)
-        return (triton.cdiv(M, bm), triton.cdiv(K, nb * block), batch), bm, nb * block, nb, warps
+        return (cdiv(M, bm), cdiv(K, nb * block), batch), bm, nb * block, nb, warps
     bk, warps = COL_TILE
     if rid == _NVFP4:
-        return (triton.cdiv(M, block), triton.cdiv(K, bk), batch), block // 2, bk, 1, warps
-    return (triton.cdiv(M, block), triton.cdiv(K, bk), batch), block, bk, 1, warps
+        return (cdiv(M, block), cdiv(K, bk), batch), block // 2, bk, 1, warps
+    return (cdiv(M, block), cdiv(K, bk), batch), block, bk, 1, warps
 
 
 def quantize(x: Tensor, recipe, axis: int = -1):
@@ -139,7 +138,7 @@ def quantize(x: Tensor, recipe, axis: int = -1):
     block = recipe.block
     M, K = x.shape[-2:]
     lead = tuple(x.shape[:-2])
-    nb = triton.cdiv(K if rowwise else M, block)
+    nb = cdiv(K if rowwise else M, block)
     scale_dtype = torch.float32 if rid == _FP8_BLOCK else torch.uint8
     scales = torch.empty(lead + ((M, nb) if rowwise else (nb, K)), dtype=scale_dtype, device=x.device)
     amax = x  # a placeholder: only nvfp4's kernels read the tensor amax
@@ -188,7 +187,7 @@ def _weight_tiles(
     if not w.numel():
         return
     batch = w.numel() // (M * K)
-    tiles = triton.cdiv(M, 128) * triton.cdiv(K, 128) * batch
+    tiles = cdiv(M, 128) * cdiv(K, 128) * batch
     launch(_weight_tiles_kernel, (_num_programs(w.device, tiles),),
         w, out, out if codes_t is None else codes_t, out if scales is None else scales, M, K, batch,
         POW2=pow2, VMAX=_vmax(w.dtype), DEQUANT=dequant, STORE_T=codes_t is not None, num_warps=_TILE_WARPS,
@@ -211,7 +210,7 @@ def quantize_weight(w: Tensor, recipe, transposed: bool = False):
     lead = tuple(w.shape[:-2])
     codes = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
     codes_t = torch.empty(lead + (K, M), dtype=torch.uint8, device=w.device) if transposed else None
-    scales = torch.empty(lead + (triton.cdiv(M, 128), triton.cdiv(K, 128)), dtype=torch.float32, device=w.device)
+    scales = torch.empty(lead + (cdiv(M, 128), cdiv(K, 128)), dtype=torch.float32, device=w.device)
     _weight_tiles(w, codes, codes_t, scales, bool(recipe.pow2_scales), dequant=False)
     return QuantizedTensor.of(
         recipe, codes.view(torch.float8_e4m3fn), scales, w.shape, -1, (128, 128),
@@ -253,14 +252,14 @@ def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tens
     # One launch (_row_blocks_kernel) where the same table as torch ops took ~25, each a host call.
     splits = splits.to(device=device).contiguous()
     num_experts = splits.numel()
-    nb = triton.cdiv(num_rows, block) + num_experts
+    nb = cdiv(num_rows, block) + num_experts
     start = torch.empty((nb,), dtype=torch.int64, device=device)
     count = torch.empty((nb,), dtype=torch.int32, device=device)
     rows = torch.empty((num_rows,), dtype=torch.int64, device=device)
-    eb = max(16, triton.next_power_of_2(num_experts))
+    eb = max(16, next_power_of_2(num_experts))
     chunk = max(1, min(256, 4096 // eb))  # a (chunk, eb) comparison a program: ≤ 32 values a thread
     if max(nb, num_rows):
-        launch(_row_blocks_kernel, (triton.cdiv(max(nb, num_rows), chunk),),
+        launch(_row_blocks_kernel, (cdiv(max(nb, num_rows), chunk),),
             splits, start, count, rows, num_experts, num_rows, nb, B=block, EB=eb, CHUNK=chunk, num_warps=4
         )
     return start, count, rows, nb
@@ -281,7 +280,7 @@ def _wgrad_launch(
         blocks = row_blocks(splits, T, B, t.device)
     elif not isinstance(blocks, RowBlocks):
         raise TypeError(f"blocks: expected a RowBlocks from row_blocks(), got {type(blocks).__name__}")
-    elif blocks.block != B or blocks.rows.shape[0] != T or blocks.nb != triton.cdiv(T, B) + splits.shape[0]:
+    elif blocks.block != B or blocks.rows.shape[0] != T or blocks.nb != cdiv(T, B) + splits.shape[0]:
         raise ValueError(
             f"blocks: made for {blocks.rows.shape[0]} rows in {blocks.block}-row blocks ({blocks.nb} blocks); this "
             f"operand has {T} rows, {recipe.name}'s {B}-row blocks and {splits.shape[0]} experts"
@@ -290,7 +289,7 @@ def _wgrad_launch(
         raise TypeError(f"blocks: expected tensors on {t.device}, got {blocks.start.device}")
     start, count, rows, nb, _ = blocks
     bk, warps = WGRAD_TILE[B]
-    grid = (nb, triton.cdiv(K, bk))
+    grid = (nb, cdiv(K, bk))
     hadamard = rid == _NVFP4 and recipe.hadamard
     stochastic = rid == _NVFP4 and recipe.stochastic_rounding and is_grad
     pow2 = bool(getattr(recipe, "pow2_scales", False))
