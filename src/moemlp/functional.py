@@ -56,8 +56,8 @@ def _make_config(
 @functools.lru_cache(maxsize=64)
 def _config(activation: str, activation_params: tuple, glu_interleave: int, scale_fc2_bias: bool,
             recipe_key: str) -> MLPConfig:  # fmt: skip
-    """The ops' MLPConfig, built once per option set (MLPConfig and the recipes are frozen): each op
-    call rebuilt it, a recipe's key parsed and validated, on the host's path of every step."""
+    """The ops' MLPConfig, built once per option set (MLPConfig and the recipes are frozen): the ops
+    ask for it on every call, and parsing and validating a recipe's key there is host time a step."""
     recipe = _recipes().from_key(recipe_key) if recipe_key else None
     return MLPConfig(
         activation=ACTIVATIONS[activation],
