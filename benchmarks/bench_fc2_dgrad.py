@@ -10,7 +10,11 @@ path (``MOEMLP_GLUON=0`` keeps it on Triton; the engine's tile mode the library'
 Triton kernel and an engine of the same depth are checked bitwise against each other.
 
     PYTHONPATH=src python3 benchmarks/bench_fc2_dgrad.py [--shapes a,b] [--rep-ms 100] [--depths ...] [--triton-bk ...]
-        [--regs] [--no-step]
+        [--regs] [--no-step] [--mainloop]
+
+``--mainloop`` also times g_z = dy @ W2 alone on the engine's plain GEMM: the promoted mainloop on
+ping-pong 64-row and cooperative 128-row tiles storing fp32 g_z (what FC2_DGRAD's fused epilogue
+adds to each), and the unpromoted cooperative 128 × 256 bf16 GEMM (what promotion adds).
 
 ``--regs`` times each tile mode with each epilogue (``register_epilogue`` False and True, the second
 where F is a multiple of 128): staged through an fp32 shared tile, or in the accumulator's layout,
@@ -54,7 +58,7 @@ def _dprobs_float64(dy, w2, h, splits, F):
 
 
 def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], regs: bool = False,
-                step_too: bool = True) -> dict:
+                step_too: bool = True, mainloop: bool = False) -> dict:
     dev = torch.device("cuda")
     x, splits, probs, w1, w2, dy = routed_problem(shape, dev)
     M, H, F = shape.rows, shape.hidden, shape.ffn
@@ -132,6 +136,21 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], re
         t = time_ms(lambda fn=fn: dprobs_of(fn(g_h, z)), dev, rep_ms=rep_ms)
         row[f"{name}_ms"] = t.median
         row[f"{name}_pct_mm"] = 100.0 * t_mm / t.median
+    if mainloop:  # the same g_z with no fused epilogue: what the epilogue costs on each tile mode
+        g_z = torch.empty((M, F), dtype=torch.float32, device=dev)
+        g_zb = torch.empty((M, F), dtype=x.dtype, device=dev)
+        depth = gluon_launch.PROMOTE_DEPTH
+        for name, fn in (
+            ("mainloop", lambda: gluon.grouped_gemm(dy, w2, splits, g_z, b_layout="kn", out_dtype=torch.float32,
+                                                    promote=depth, cooperative=False)),
+            ("mainloop_coop", lambda: gluon.grouped_gemm(dy, w2, splits, g_z, b_layout="kn",
+                                                         out_dtype=torch.float32, promote=depth, cooperative=True)),
+            ("plain_coop", lambda: gluon.grouped_gemm(dy, w2, splits, g_zb, b_layout="kn", cooperative=True)),
+        ):
+            t = time_ms(fn, dev, rep_ms=rep_ms)
+            row[f"{name}_ms"] = t.median
+            row[f"{name}_pct_mm"] = 100.0 * t_mm / t.median
+        del g_z, g_zb
     # forward + backward of the whole MLP with FC2_DGRAD on each path
     leaves = [t.requires_grad_() for t in (x, probs, w1, w2)]
 
@@ -155,6 +174,9 @@ def main() -> None:
     p.add_argument("--triton-bk", default="", help="Triton K steps to time beside the default")
     p.add_argument("--regs", action="store_true", help="also time the engine with the register epilogue")
     p.add_argument("--no-step", action="store_true", help="skip the forward + backward of grouped_mlp")
+    p.add_argument("--mainloop", action="store_true",
+                   help="also time g_z alone: the promoted mainloop on each tile mode storing fp32 g_z, and "
+                        "the unpromoted cooperative bf16 GEMM")
     args = p.parse_args()
     depths = [int(d) for d in args.depths.split(",") if d]
     triton_bks = [int(b) for b in args.triton_bk.split(",") if b]
@@ -163,14 +185,16 @@ def main() -> None:
         raise SystemExit(f"the Gluon engine cannot run here: {reason}")
     rows = []
     for name in args.shapes.split(","):
-        rows.append(bench_shape(GPU_SHAPES[name], args.rep_ms, depths, triton_bks, args.regs, not args.no_step))
+        rows.append(bench_shape(GPU_SHAPES[name], args.rep_ms, depths, triton_bks, args.regs, not args.no_step,
+                                args.mainloop))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
     names = (["triton", "gluon", "gluon_coop"] + (["gluon_regs", "gluon_coop_regs"] if args.regs else [])
              + [f"triton_bk{b}" for b in triton_bks] + [f"gluon_d{d}" for d in depths])
     print_table(rows, ["shape"] + [f"{n}_dprobs_err" for n in names],
                 "FC2_DGRAD: dprobs against float64 on the same h (SPEC §1: ≤ 1e-6)")
-    print_table(rows, ["shape", "rows_per_expert"] + [f"{n}_pct_mm" for n in names],
+    timed = names + (["mainloop", "mainloop_coop", "plain_coop"] if args.mainloop else [])
+    print_table(rows, ["shape", "rows_per_expert"] + [f"{n}_pct_mm" for n in timed],
                 "FC2_DGRAD with its epilogue and the dprobs reduce, % of a dense torch.mm of the same FLOPs")
     if not args.no_step:
         print_table(rows, ["shape", "step_triton_ms", "step_gluon_ms"], "forward + backward of grouped_mlp, median ms")

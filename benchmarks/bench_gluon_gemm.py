@@ -1,9 +1,13 @@
-"""The Gluon grouped GEMM (moemlp.kernels.gluon) beside torch._grouped_mm on the MLP's two forward
-GEMMs at the four model shapes, and a dense torch.mm of the same FLOPs as the ceiling.
+"""The Gluon grouped GEMM (moemlp.kernels.gluon) on ping-pong 128×128 and cooperative 128×256 tiles,
+beside the Triton kernel and torch._grouped_mm, on the MLP's plain GEMMs (FC1 without its epilogue,
+FC2, FC1_DGRAD) at the four model shapes, and a dense torch.mm of the same FLOPs as the ceiling.
 
-    PYTHONPATH=src python3 benchmarks/bench_gluon_gemm.py [--shapes a,b] [--csv PATH]
+    PYTHONPATH=src python3 benchmarks/bench_gluon_gemm.py [--shapes a,b] [--csv PATH] [--step N]
 
-Prediction, written before any measurement (H200, triton 3.6, 128×128×64 tiles, 4 stages,
+--step N also times grouped_mlp's bf16 forward + backward (GPU time) with FC2 and FC1_DGRAD on the
+engine's cooperative tiles, as wired, and on the Triton kernel, N alternating rounds.
+
+The first prediction, written before any measurement (H200, triton 3.6, 128×128×64 tiles, 4 stages,
 ping-pong consumers, no cluster multicast), TFLOP/s Gluon vs torch._grouped_mm:
 
 | shape | FC1 | FC2 | bound by |
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import statistics
 import time
 
 import torch
@@ -63,10 +68,57 @@ def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
 
 
+def triton_plain(a, b, splits, out, layout):
+    """The Triton grouped GEMM as the MLP runs it for a plain FC2 (nk) or FC1_DGRAD (kn)."""
+    from moemlp.kernels.gemm.launch import launch_grouped_gemm
+
+    if layout == "nk":
+        N, K = b.shape[1], b.shape[2]
+        strides = (N * K, K, 1)
+        kind = "fc2"
+    else:
+        K, N = b.shape[1], b.shape[2]
+        strides = (K * N, 1, N)
+        kind = "fc1_dgrad"
+    launch_grouped_gemm(kind, a=a, b=b, b_strides=strides, splits=splits, out=out, N=N, K=K, N1=N, cfg=None)
+    return out
+
+
+def step_rows(names, reps: int) -> list[dict]:
+    """GPU time (host launch time hidden, ``gpu_time_ms``) of grouped_mlp's bf16 forward + backward
+    with FC2 and FC1_DGRAD on the engine's cooperative tiles, as wired, and on the Triton kernel
+    (``operands._engine_plain`` answering no), in ``reps`` alternating rounds; medians in ms."""
+    from moemlp.bench.common import gpu_time_ms
+    from moemlp.bench.kernels import mlp_step
+    from moemlp.kernels import operands
+
+    wired = operands._engine_plain
+    device = torch.device("cuda")
+    rows = []
+    for name in names:
+        step = mlp_step(name, None)
+        times = {"engine": [], "triton": []}
+        for _ in range(reps):
+            for way, choice in (("engine", wired), ("triton", lambda *args: False)):
+                operands._engine_plain = choice
+                times[way].append(gpu_time_ms(step, device, iters=10))
+        operands._engine_plain = wired
+        row = {"shape": name, **{k: statistics.median(v) for k, v in times.items()}}
+        rows.append(row)
+        print(f"step {name:16s} engine plain {row['engine']:.3f} ms  triton plain {row['triton']:.3f} ms  "
+              f"({row['triton'] / row['engine']:.3f}x; engine rounds {', '.join(f'{t:.2f}' for t in times['engine'])}; "
+              f"triton rounds {', '.join(f'{t:.2f}' for t in times['triton'])})", flush=True)
+        del step
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--csv", default=None, help="also write the table as CSV here")
+    parser.add_argument("--step", type=int, default=0, metavar="N",
+                        help="also time grouped_mlp's step with the engine's plain GEMM wired and not, N rounds")
     args = parser.parse_args()
     start = time.time()
     dev = "cuda"
@@ -76,6 +128,7 @@ def main() -> None:
     if not status:
         from moemlp.kernels.gluon import grouped_gemm
 
+    ways = ("triton", "pingpong", "coop")
     rows = []
     for name in args.shapes.split(","):
         H, F, E, top_k, tokens = SHAPES[name]
@@ -83,42 +136,64 @@ def main() -> None:
         splits = routing(E, top_k, tokens).to(dev)
         offs = splits.cumsum(0).to(torch.int32)
         g = torch.Generator(device=dev).manual_seed(0)
-        for gemm, N, K in (("FC1", 2 * F, H), ("FC2", H, F)):
+        # (GEMM, B's layout, N, K): FC1 and FC2 read W as (E, N, K), FC1_DGRAD reads W1 (E, 2F, H) in place
+        for gemm, layout, N, K in (("FC1", "nk", 2 * F, H), ("FC2", "nk", H, F), ("FC1_DGRAD", "kn", H, 2 * F)):
             a = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
             b = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16, generator=g) * K**-0.5
+            operand = b if layout == "nk" else b.transpose(1, 2).contiguous()  # (E, K, N): the same B_e
             dense_b = b[0].T  # (K, N): one expert's weight, the whole M against it
             flops = 2.0 * M * N * K
             peer = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
             ms_torch = triton.testing.do_bench(lambda: torch._grouped_mm(a, b.transpose(-2, -1), offs=offs))
             ms_dense = triton.testing.do_bench(lambda: torch.mm(a, dense_b))
             row = {"shape": name, "gemm": gemm, "M": M, "N": N, "K": K, "E": E,
-                   "torch": tflops(flops, ms_torch), "dense": tflops(flops, ms_dense), "gluon": None, "note": ""}
+                   "torch": tflops(flops, ms_torch), "dense": tflops(flops, ms_dense),
+                   **{w: None for w in ways}, "note": ""}
+            runs = {"triton": lambda out: triton_plain(a, operand, splits, out, layout)}
             if not status:
+                runs["pingpong"] = lambda out: grouped_gemm(a, operand, splits, out=out, b_layout=layout,
+                                                            cooperative=False)
+                runs["coop"] = lambda out: grouped_gemm(a, operand, splits, out=out, b_layout=layout,
+                                                        cooperative=True)
+            results = {}
+            for way, fn in runs.items():
                 try:
-                    out = grouped_gemm(a, b, splits)
+                    out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+                    fn(out)
                     torch.cuda.synchronize()
                     err = ((out.float() - peer.float()).abs().max() / peer.float().abs().max()).item()
                     if not err < 1e-2:
-                        row["note"] = f"wrong: relative error {err:.3g} vs torch"
-                    else:
-                        ms = triton.testing.do_bench(lambda: grouped_gemm(a, b, splits, out=out))
-                        row["gluon"] = tflops(flops, ms)
-                        row["note"] = f"rel err vs torch {err:.1e}"
-                except Exception as err:  # report and keep the torch columns
-                    row["note"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                        row["note"] += f" {way} wrong: rel err {err:.3g};"
+                        continue
+                    results[way] = out
+                    row[way] = tflops(flops, triton.testing.do_bench(lambda: fn(out)))
+                except Exception as err:  # report and keep the other columns
+                    row["note"] += f" {way} failed: {type(err).__name__}: {str(err).splitlines()[0][:100]};"
+            same = [w for w in ways[1:] if w in results and "triton" in results
+                    and torch.equal(results[w], results["triton"])]
+            row["note"] += f" bit-equal to triton: {','.join(same) or 'none'}"
             rows.append(row)
-            gl = f"{row['gluon']:7.1f}" if row["gluon"] is not None else "      -"
-            print(f"{name:16s} {gemm} M={M:6d} N={N:6d} K={K:6d}  gluon {gl}  torch {row['torch']:7.1f}  "
-                  f"dense {row['dense']:7.1f} TFLOP/s  {row['note']}", flush=True)
+            cells = "  ".join(f"{w} {row[w]:6.1f}" if row[w] is not None else f"{w}      -" for w in ways)
+            print(f"{name:16s} {gemm:9s} M={M:6d} N={N:6d} K={K:6d}  {cells}  torch {row['torch']:6.1f}  "
+                  f"dense {row['dense']:6.1f} TFLOP/s {row['note']}", flush=True)
+            runs = results = None  # drop this GEMM's operands before the next one's
         torch.cuda.empty_cache()
 
-    print(f"\nTFLOP/s (do_bench medians; FC1 2·M·2F·H, FC2 2·M·H·F), {time.time() - start:.0f} s in all")
-    print("| shape | GEMM | gluon | torch._grouped_mm | gluon / torch | dense torch.mm |")
-    print("|---|---|---|---|---|---|")
+    steps = step_rows(args.shapes.split(","), args.step) if args.step and not status else []
+
+    print(f"\nTFLOP/s (do_bench medians; FC1 2·M·2F·H, FC2 and FC1_DGRAD 2·M·H·F), {time.time() - start:.0f} s in all")
+    print("| shape | GEMM | Triton | engine ping-pong 128×128 | engine cooperative 128×256 | torch._grouped_mm | "
+          "cooperative / torch | dense torch.mm |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ours = f"{r['gluon']:.0f}" if r["gluon"] is not None else "-"
-        ratio = f"{r['gluon'] / r['torch']:.2f}" if r["gluon"] is not None else "-"
-        print(f"| {r['shape']} | {r['gemm']} | {ours} | {r['torch']:.0f} | {ratio} | {r['dense']:.0f} |")
+        cells = " | ".join(f"{r[w]:.0f}" if r[w] is not None else "-" for w in ways)
+        ratio = f"{r['coop'] / r['torch']:.2f}" if r["coop"] is not None else "-"
+        print(f"| {r['shape']} | {r['gemm']} | {cells} | {r['torch']:.0f} | {ratio} | {r['dense']:.0f} |")
+    if steps:
+        print("\n| shape | step GPU time, engine plain GEMM (ms) | the same, Triton plain GEMM (ms) | ratio |")
+        print("|---|---|---|---|")
+        for r in steps:
+            print(f"| {r['shape']} | {r['engine']:.3f} | {r['triton']:.3f} | {r['triton'] / r['engine']:.3f} |")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -18,9 +18,10 @@ BM, BN, BK, STAGES, GROUP_M = 128, 128, 64, 4, 8
 
 
 def _compile_sm90(e_block: int, splits_dtype: str, b_kmajor: bool = True, out_fp32: bool = False,
-                  promote: int = 0):
-    """Compiles the engine for sm_90 without a GPU; returns (sass, cuobjdump -res-usage, shared bytes)."""
-    from moemlp.kernels.gluon import _engine
+                  promote: int = 0, coop: bool = False):
+    """Compiles the engine for sm_90 without a GPU; returns (sass, cuobjdump -res-usage, shared bytes).
+    coop: the launcher's cooperative tiles, 2 × 64 × 256 (2 × 64 × 128 promoted)."""
+    from moemlp.kernels.gluon import _engine, _launch
 
     gl = _compat.gl
 
@@ -29,11 +30,16 @@ def _compile_sm90(e_block: int, splits_dtype: str, b_kmajor: bool = True, out_fp
         return f"tensordesc<{dtype}[{block[0]},{block[1]}],{layout!r}>"
 
     c = "fp32" if out_fp32 else "bf16"
-    bm = 64 if promote else BM
-    constexprs = dict(BM=bm, BN=BN, BK=BK, STAGES=3 if out_fp32 and not promote else STAGES, GROUP_M=GROUP_M,
-                      E_BLOCK=e_block, B_KMAJOR=b_kmajor, PROMOTE=promote // BK)
-    sig = {"a_desc": desc([bm, BK]), "b_desc": desc([BN, BK] if b_kmajor else [BK, BN]),
-           "c_desc": desc([bm, BN], c), "c_ptr": f"*{c}",
+    if coop and promote:
+        bm, bn, stages = _launch.BM_PROMOTED, BN, STAGES
+    elif coop:
+        bm, bn, stages = _launch.BM_COOP, _launch.BN_COOP, _launch.STAGES_COOP
+    else:
+        bm, bn, stages = (64 if promote else BM), BN, (3 if out_fp32 and not promote else STAGES)
+    constexprs = dict(BM=bm, BN=bn, BK=BK, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=b_kmajor,
+                      PROMOTE=promote // BK, A_PARTS=2 if coop else 1)
+    sig = {"a_desc": desc([bm, BK]), "b_desc": desc([bn, BK] if b_kmajor else [BK, bn]),
+           "c_desc": desc([bm, bn], c), "c_ptr": f"*{c}",
            "splits_ptr": f"*{splits_dtype}", "E": "i32", "M": "i32", "N": "i32", "K": "i32"}
     sig.update({name: "constexpr" for name in constexprs})
     return compile_gluon_sm90(_engine.grouped_gemm_kernel, sig, constexprs, ("c_ptr", "splits_ptr", "N", "K"),
@@ -86,6 +92,30 @@ def test_offline_sm90_compile(e_block, splits_dtype, b_kmajor, out_fp32, promote
     assert low * 1024 <= shared <= 227 * 1024, shared
 
 
+@needs_gluon
+@pytest.mark.parametrize("b_kmajor, promote", [(True, 0), (False, 0), (False, 128)], ids=["nk", "kn", "kn-promoted"])
+def test_offline_sm90_compile_cooperative(b_kmajor, promote):
+    """The cooperative 128 × 256 tiles (FC2's nk and FC1_DGRAD's kn weights): each consumer issues
+    BK/16 m64n256k16 wgmma a k-step on its 64 rows, within the same registers as ping-pong's two
+    m64n128 halves, no spill, and the ring and epilogue tiles within sm_90's shared memory.
+    Promoted (FC2_DGRAD's mainloop with an fp32 C): 128 × 128 tiles, two products in flight."""
+    sass, usage, shared = _compile_sm90(32, "i32", b_kmajor, out_fp32=bool(promote), promote=promote, coop=True)
+    if promote:
+        check_products_in_flight(sass, "HGMMA.64x128x16.F32.BF16", BK // 16, promote // BK, tail=True)
+    else:
+        assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", sass)) == 2 * (BK // 16)
+        assert not re.search(r"HGMMA\.64x128x16", sass)
+    assert len(re.findall(r"\bUTMASTG\.2D\b", sass)) >= 2
+    assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", sass)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    assert regs <= 168, usage
+    assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
+    # 3 stages × (2 · 64 + 256) × 64 × 2 B + 2 bf16 tiles of 64 × 256 = 208 KiB (promoted: 4 stages ×
+    # (2 · 64 + 128) × 64 × 2 B + 2 fp32 tiles of 64 × 128 = 192 KiB), + barriers
+    assert (192 if promote else 208) * 1024 <= shared <= 227 * 1024, shared
+
+
 def test_compat_reports_what_is_missing():
     missing = _compat.missing()
     assert isinstance(missing, list)
@@ -108,6 +138,23 @@ def test_promote_depth_is_checked(promote):
     t = torch.zeros(64, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="promote must be 0 or a positive multiple of 64"):
         grouped_gemm(t, t.view(1, 64, 64), torch.zeros(1, dtype=torch.int32), promote=promote)
+
+
+@pytest.mark.parametrize(
+    "opts, error, words",
+    [
+        pytest.param(dict(cooperative=1), TypeError, "cooperative must be True, False or None", id="int"),
+        pytest.param(dict(cooperative=True, out_dtype=torch.float32), ValueError, "take a bf16 C", id="fp32-out"),
+    ],
+)
+def test_cooperative_is_checked(opts, error, words):
+    """Unpromoted cooperative tiles (64 × 256 a consumer) have room for a bf16 C's epilogue tiles
+    only: an fp32 C is refused by name before any tensor is looked at."""
+    from moemlp.kernels.gluon import grouped_gemm
+
+    t = torch.zeros(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(error, match=re.escape(words)):
+        grouped_gemm(t, t.view(1, 64, 64), torch.zeros(1, dtype=torch.int32), **opts)
 
 
 @pytest.mark.parametrize(
@@ -170,22 +217,27 @@ def engine_runs():
         pytest.fail(reason)
 
 
-# (b_layout, out dtype, splits dtype): the forward GEMMs' layout with both splits dtypes, and the
-# dgrads' in-place weight layout with a bf16 C (FC1_DGRAD's dx) and an fp32 C (FC2_DGRAD's g_z).
+# (b_layout, out dtype, splits dtype, promote, cooperative): the forward GEMMs' layout with both splits
+# dtypes, and the dgrads' in-place weight layout with a bf16 C (FC1_DGRAD's dx) and an fp32 C
+# (FC2_DGRAD's g_z); the bf16 GEMMs also on cooperative 128 × 256 tiles (FC2, FC1_DGRAD on large experts).
 VARIANTS = [
-    pytest.param("nk", torch.bfloat16, torch.int32, 0, id="nk-bf16-int32"),
-    pytest.param("nk", torch.bfloat16, torch.int64, 0, id="nk-bf16-int64"),
-    pytest.param("kn", torch.bfloat16, torch.int32, 0, id="kn-bf16"),
-    pytest.param("kn", torch.float32, torch.int64, 0, id="kn-fp32"),
-    pytest.param("kn", torch.float32, torch.int32, 128, id="kn-fp32-promoted"),  # FC2_DGRAD's g_z, 128-deep products
-    pytest.param("kn", torch.float32, torch.int64, 64, id="kn-fp32-promoted64"),  # 64-deep products
+    pytest.param("nk", torch.bfloat16, torch.int32, 0, False, id="nk-bf16-int32"),
+    pytest.param("nk", torch.bfloat16, torch.int64, 0, False, id="nk-bf16-int64"),
+    pytest.param("kn", torch.bfloat16, torch.int32, 0, False, id="kn-bf16"),
+    pytest.param("kn", torch.float32, torch.int64, 0, False, id="kn-fp32"),
+    pytest.param("kn", torch.float32, torch.int32, 128, False, id="kn-fp32-promoted"),  # FC2_DGRAD's g_z, 128-deep
+    pytest.param("kn", torch.float32, torch.int64, 64, False, id="kn-fp32-promoted64"),  # 64-deep products
+    pytest.param("nk", torch.bfloat16, torch.int64, 0, True, id="nk-bf16-coop"),
+    pytest.param("kn", torch.bfloat16, torch.int32, 0, True, id="kn-bf16-coop"),
+    pytest.param("kn", torch.float32, torch.int32, 128, True, id="kn-fp32-promoted-coop"),  # FC2_DGRAD's mainloop
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b_layout, out_dtype, splits_dtype, promote", VARIANTS)
+@pytest.mark.parametrize("b_layout, out_dtype, splits_dtype, promote, cooperative", VARIANTS)
 @pytest.mark.parametrize("splits_list, M, N, K", CASES)
-def test_grouped_gemm_gpu(splits_list, M, N, K, b_layout, out_dtype, splits_dtype, promote, engine_runs):
+def test_grouped_gemm_gpu(splits_list, M, N, K, b_layout, out_dtype, splits_dtype, promote, cooperative,
+                          engine_runs):
     from moemlp.kernels.gluon import grouped_gemm, supports
 
     torch.manual_seed(0)
@@ -196,17 +248,18 @@ def test_grouped_gemm_gpu(splits_list, M, N, K, b_layout, out_dtype, splits_dtyp
     splits = torch.tensor(splits_list, device=dev, dtype=splits_dtype)
     ref, routed = _reference(a, b, splits, M)
     operand = b if b_layout == "nk" else b.transpose(1, 2).contiguous()  # (E, K, N): the same B_e
+    opts = dict(b_layout=b_layout, out_dtype=out_dtype, promote=promote, cooperative=cooperative)
     if b_layout == "kn" and E > 1 and K % BK:
         # Experts stacked along K with a K block straddling two: refused, not read wrongly.
         assert supports(a, operand, b_layout)
         with pytest.raises(ValueError, match="multiple of 64"):
-            grouped_gemm(a, operand, splits, b_layout=b_layout, out_dtype=out_dtype, promote=promote)
+            grouped_gemm(a, operand, splits, **opts)
         return
     assert supports(a, operand, b_layout) == ""
 
     # Poisoned output: every row must be written, routed rows with products, capacity rows with 0.
     out = torch.full((M, N), float("nan"), device=dev, dtype=out_dtype)
-    got = grouped_gemm(a, operand, splits, out=out, b_layout=b_layout, out_dtype=out_dtype, promote=promote)
+    got = grouped_gemm(a, operand, splits, out=out, **opts)
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr()
     assert not torch.isnan(got).any(), f"{int(torch.isnan(got).any(1).sum())} rows left unwritten"
@@ -228,6 +281,11 @@ def test_grouped_gemm_gpu(splits_list, M, N, K, b_layout, out_dtype, splits_dtyp
         # one bf16 ulp of the largest value for the cases where both round identically (torch_err ~ 0).
         assert err <= 2 * torch_err + scale * 2.0**-8, (err, torch_err)
 
-    again = grouped_gemm(a, operand, splits, b_layout=b_layout, out_dtype=out_dtype, promote=promote)
+    again = grouped_gemm(a, operand, splits, **opts)
     torch.cuda.synchronize()
     assert torch.equal(again, got), "two runs on the same inputs differ"
+    if cooperative:
+        # The same K-ordered chain of products per element on either tile shape: the same bits.
+        pingpong = grouped_gemm(a, operand, splits, **dict(opts, cooperative=False))
+        torch.cuda.synchronize()
+        assert torch.equal(got, pingpong), (got.double() - pingpong.double()).abs().max().item()

@@ -15,12 +15,16 @@ One CTA per SM, 3 partitions (12 warps: 4 + 4 + 1, padded to warpgroups):
   A ``turn`` mbarrier pair orders the two mainloops (warpgroup w starts tile j only after the other
   finished issuing tile j-1), as CUTLASS's ordered math barrier does: that keeps each consumer at
   most one ring phase ahead of the stages it waits on, so parity waits cannot alias.
-* or, for promoted mainloops, two consumer warpgroups cooperative (A_PARTS = 2): every tile is
-  2·BM rows, each stage holds two BM-row A blocks beside one B block, and warpgroup w takes the w-th
-  A block of every stage, both issuing wgmma at once (each stage's ``empty`` counts both releases).
-  A promoted mainloop adds each product to its total while the next product's wgmma run (two in
-  flight); both warpgroups issuing at once keeps the tensor cores fed around those adds and the
-  stage waits, which ping-pong, one warpgroup issuing at a time, does less well.
+* or two consumer warpgroups cooperative (A_PARTS = 2): every tile is 2·BM rows, each stage holds
+  two BM-row A blocks beside one B block, and warpgroup w takes the w-th A block of every stage,
+  both issuing wgmma at once (each stage's ``empty`` counts both releases). A promoted mainloop
+  adds each product to its total while the next product's wgmma run (two in flight); both
+  warpgroups issuing at once keeps the tensor cores fed around those adds and the stage waits,
+  which ping-pong, one warpgroup issuing at a time, does less well. The plain GEMM with a bf16 C
+  takes cooperative 128 × 256 tiles (m64n256 wgmma, 128 accumulator registers a
+  consumer, as ping-pong's 128 × 128): each B block then serves 128 rows and each A block 256
+  columns, a quarter less operand traffic per MMA than 128 × 128 tiles, at the price of an epilogue
+  that nothing overlaps (CUTLASS's cooperative schedule, which torch._grouped_mm runs there).
 
 Tiles: (expert, m-tile, n-tile), m-tiles never straddle experts. The expert table is computed in
 every partition from ``splits`` on the device (clamped: negative → 0 rows, a running sum past M
@@ -175,16 +179,18 @@ def _b_operand(b_ring, s, B_KMAJOR: gl.constexpr):
 
 @gluon.jit
 def _mainloop(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr):
+              BN: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr, A_PARTS: gl.constexpr,
+              PART: gl.constexpr):
     """The K loop of one tile from ring position ``it``: async wgmma with one group in flight, each
     stage handed back to the producer as soon as the wgmma after it has been issued and the one
     reading it has finished. Returns the fp32 accumulator with every MMA still pending but the
-    last waited for by the caller (``warpgroup_mma_wait(0)``) and that last stage still held."""
+    last waited for by the caller (``warpgroup_mma_wait(0)``) and that last stage still held.
+    A operand: ring slot s · A_PARTS + PART (this consumer's rows of a cooperative tile)."""
     acc = gl.zeros([BM, BN], gl.float32, acc_layout)
     for kk in range(k_steps):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        acc = warpgroup_mma(a_ring.index(s), _b_operand(b_ring, s, B_KMAJOR), acc, is_async=True)
+        acc = warpgroup_mma(a_ring.index(s * A_PARTS + PART), _b_operand(b_ring, s, B_KMAJOR), acc, is_async=True)
         # One wgmma group in flight: the one before it has read its stage, which goes back.
         acc = warpgroup_mma_wait(1, deps=(acc,))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kk > 0)
@@ -412,9 +418,9 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
                GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, PROMOTE: gl.constexpr,
                A_PARTS: gl.constexpr, SCALED: gl.constexpr, scale_args, B_PARTS: gl.constexpr, G: gl.constexpr):
     """One consumer warpgroup's tiles, every kernel on the engine. Ping-pong (A_PARTS = 1): this CTA's
-    j-th tile is warpgroup j % 2's, BM rows, the mainloops taken in turn. Cooperative (A_PARTS = 2,
-    promoted only): every tile is 2·BM rows, and warpgroup WG takes rows WG·BM on of each, both
-    issuing wgmma at once on the same B stages. A real tile runs the mainloop (promoted when
+    j-th tile is warpgroup j % 2's, BM rows, the mainloops taken in turn. Cooperative (A_PARTS = 2):
+    every tile is 2·BM rows, and warpgroup WG takes rows WG·BM on of each, both issuing wgmma at once
+    on the same B stages. A real tile runs the mainloop (promoted when
     PROMOTE > 0) and hands its fp32 accumulator to the epilogue unit, ``epilogue(acc, e, m0, n0,
     row_end, count, WG, args)`` with e the tile's expert, m0 this warpgroup's first row and count the
     number of real tiles this warpgroup took before (a barrier's phase); a capacity tile
@@ -423,7 +429,6 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
     ``scale_args`` = (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn,
     stride_bsk). B_PARTS = 2: FC1's GLU tiles (``_producer``), BN / 2 output columns each, the
     accumulator's first BN / 2 columns the gates and the rest their ups; n0 counts output columns."""
-    gl.static_assert((A_PARTS == 1) | (PROMOTE > 0), "cooperative tiles take the promoted mainloop")
     TILE_M: gl.constexpr = BM * A_PARTS
     TILE_N: gl.constexpr = BN // B_PARTS
     COOP: gl.constexpr = A_PARTS == 2
@@ -487,9 +492,10 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
                     mbarrier.arrive(turn.index(1 - WG))
             else:
                 acc, it = _mainloop(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM, BN, STAGES,
-                                    B_KMAJOR)
-                # Every stage of this tile has been waited on: the other warpgroup may start its mainloop.
-                mbarrier.arrive(turn.index(1 - WG))
+                                    B_KMAJOR, A_PARTS, part)
+                if not COOP:
+                    # Every stage of this tile has been waited on: the other warpgroup may start its mainloop.
+                    mbarrier.arrive(turn.index(1 - WG))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
             epilogue(acc, e, m0 + row0, n0, row_end, (j - first) // step, WG, args)
@@ -572,19 +578,20 @@ def grouped_gemm_kernel(
     E_BLOCK: gl.constexpr,
     B_KMAJOR: gl.constexpr,  # B (E, N, K) (True) or (E, K, N) (False)
     PROMOTE: gl.constexpr,  # > 0: each PROMOTE·BK-deep product added to the fp32 total by itself (BM = 64: registers)
+    A_PARTS: gl.constexpr,  # 1: ping-pong BM-row tiles; 2: cooperative 2·BM-row tiles (_tile_loop)
 ):
-    a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR, 1)
+    a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR, A_PARTS)
     c_tiles = gl.allocate_shared_memory(c_desc.dtype, [2, BM, BN], c_desc.layout)
 
     # The argument tuples are written out in the call: a tuple bound to a name first would turn its
     # constexprs into runtime values. Both consumers run _consumer, warpgroup 0 as the default partition.
     warp_specialize([
         (_consumer, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
-                     turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE, 1)),
+                     turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE, A_PARTS)),
         (_consumer, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
-                     turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE, 1)),
+                     turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE, A_PARTS)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
-                     GROUP_M, E_BLOCK, B_KMAJOR, 1, 1, 1, N)),
+                     GROUP_M, E_BLOCK, B_KMAJOR, A_PARTS, 1, 1, N)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

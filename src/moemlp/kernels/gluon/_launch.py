@@ -18,6 +18,10 @@ STAGES = 4
 # An fp32 C doubles the two epilogue tiles to 128 KiB: 3 stages (96 KiB) keep the total at 224 KiB.
 STAGES_FP32_OUT = 3
 BM_PROMOTED = 64
+# Cooperative plain tiles (_engine.py): 2 × 64 rows × 256 columns, m64n256 wgmma, 3 stages of
+# (2 · 64 + 256) · 64 · 2 B = 48 KiB (144 KiB) + two bf16 epilogue tiles of 64 × 256 (64 KiB): 208 KiB.
+# bf16 C only: an fp32 C's tiles (128 KiB) would leave room for one stage.
+BM_COOP, BN_COOP, STAGES_COOP = 64, 256, 3
 # Depth of each promoted tensor-core product (a multiple of BK): the promoted mainloop waits for the
 # product and adds it to the fp32 total once per PROMOTE_DEPTH / BK steps (docs/DECISIONS.md,
 # "FC2_DGRAD's promoted products 128 deep on both kernels").
@@ -177,6 +181,7 @@ def grouped_gemm(
     b_layout: str = "nk",
     out_dtype: torch.dtype = torch.bfloat16,
     promote: int = 0,
+    cooperative: bool | None = None,
 ) -> torch.Tensor:
     """C[R_e] = A[R_e] @ B_e for every expert e, R_e the rows between offsets[e-1] and offsets[e]
     (offsets = cumsum(splits), computed on the device). a (M, K) bf16 with rows grouped by expert;
@@ -186,10 +191,18 @@ def grouped_gemm(
     accumulator itself), written into ``out`` when given. ``promote`` (a multiple of 64, 0: off): each
     ``promote``-deep product is added to the fp32 accumulator with a round-to-nearest add (error
     bounded by promote·2^-23 for any K, where one tensor-core chain errs like K·2^-24), on 64-row
-    tiles. Rows past Σsplits get 0. Splits are
-    clamped on the device (negative → 0 rows, a running sum past M stops at M), never read on the
-    host."""
+    tiles. ``cooperative``: both consumer warpgroups on one tile of 128 rows, 256 columns (a bf16 C)
+    or, promoted, 128 columns (FC2_DGRAD's cooperative mainloop), rather than ping-pong tiles of
+    128 (64 promoted) × 128; None: cooperative for a bf16 C without promotion (measured 0.97-1.19×
+    ping-pong at the four model shapes' GEMMs, docs/DECISIONS.md), ping-pong otherwise. Both give
+    the same bits. Rows past
+    Σsplits get 0. Splits are clamped on the device (negative → 0 rows, a running sum past M stops
+    at M), never read on the host."""
     _check_depth("grouped_gemm", "promote", promote, zero_ok=True)
+    if cooperative is not None and not isinstance(cooperative, bool):
+        raise TypeError(f"grouped_gemm: cooperative must be True, False or None, got {cooperative!r}")
+    if cooperative and not promote and out_dtype != torch.bfloat16:
+        raise ValueError(f"grouped_gemm: unpromoted cooperative tiles take a bf16 C (got out_dtype {out_dtype})")
     _check(a, b, splits, out, b_layout, out_dtype)
     reason = why_unavailable(a.device)
     if reason:
@@ -203,26 +216,33 @@ def grouped_gemm(
     out, done = _out_unless_trivial(out, M, N, K, E, out_dtype, a.device)
     if done:
         return out
+    if cooperative is None:
+        cooperative = not promote and out_dtype == torch.bfloat16
     # Promoted: the total and two products in flight are 3 × 64 registers at 64 rows (at 128 rows
     # they would not fit). Ring 4 × 24 KiB + 2 fp32 C tiles × 32 KiB = 160 KiB.
-    bm = BM_PROMOTED if promote else BM
-    stages = STAGES if (out_dtype == torch.bfloat16 or promote) else STAGES_FP32_OUT
-    b_block = (BN, BK) if kmajor else (BK, BN)
+    if cooperative and promote:
+        bm, bn, stages, parts = BM_PROMOTED, BN, STAGES, 2  # 4 × 32 KiB + 2 fp32 tiles × 32 KiB
+    elif cooperative:
+        bm, bn, stages, parts = BM_COOP, BN_COOP, STAGES_COOP, 2
+    else:
+        bm, bn, parts = (BM_PROMOTED if promote else BM), BN, 1
+        stages = STAGES if (out_dtype == torch.bfloat16 or promote) else STAGES_FP32_OUT
+    b_block = (bn, BK) if kmajor else (BK, bn)
     bind_context(a.device)  # the descriptors are encoded on this thread (kernels/_cuda_context.py)
     a_desc = TensorDescriptor.from_tensor(a, [bm, BK], _smem_layout((bm, BK)))
     b_desc = TensorDescriptor.from_tensor(b.view(E * b.shape[1], b.shape[2]), list(b_block), _smem_layout(b_block))
-    c_desc = TensorDescriptor.from_tensor(out, [bm, BN], _smem_layout((bm, BN), out_dtype == torch.float32))
+    c_desc = TensorDescriptor.from_tensor(out, [bm, bn], _smem_layout((bm, bn), out_dtype == torch.float32))
     e_block = max(32, 1 << (E - 1).bit_length())
-    # Static bound on the tile count (M rows over E experts make at most cdiv(M, BM) + E m-tiles,
-    # capacity included), so the grid needs no device read.
-    tile_bound = (-(-M // bm) + E) * -(-N // BN)
+    # Static bound on the tile count (M rows over E experts make at most cdiv(M, tile rows) + E
+    # m-tiles, capacity included), so the grid needs no device read.
+    tile_bound = (-(-M // (bm * parts)) + E) * -(-N // bn)
     device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     grid = (min(_num_sms(device_index), tile_bound),)
     with torch.cuda.device(a.device):
         launch(grouped_gemm_kernel, grid,
             a_desc, b_desc, c_desc, out, splits, E, M, N, K,
-            BM=bm, BN=BN, BK=BK, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor,
-            PROMOTE=promote // BK, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+            BM=bm, BN=bn, BK=BK, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor,
+            PROMOTE=promote // BK, A_PARTS=parts, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )
     return out
 
