@@ -202,8 +202,10 @@ MLP_CASES = [
     # then stays on the Triton kernel, whose epilogue adds them), the second without
     pytest.param((8, 1024, 1408, 6000, (3,), 64, {}), id="mixtral_like-bias"),
     pytest.param((48, 1024, 384, 6000, (), 17, dict(bias=False)), id="qwen3_like"),
+    # ~1500 rows an expert (one empty)
+    pytest.param((4, 1024, 1408, 6000, (2,), 33, dict(bias=False)), id="large_experts"),
 ]
-ENGINE_KERNELS = ("fc1", "grouped_gemm_fp8", "fc2_dgrad", "fp8_wgrad")
+ENGINE_KERNELS = ("fc1", "grouped_gemm", "grouped_gemm_fp8", "fc2_dgrad", "fp8_wgrad")
 
 
 @pytest.mark.gpu
@@ -214,8 +216,8 @@ def test_gpu_mlp_same_bits_on_either_kernel(case, recipe_name, monkeypatch):
     MOEMLP_GLUON=0 (all on the Triton kernels): every output bitwise equal but dprobs, whose partials
     the two FC2_DGRAD kernels sum over a tile's columns in another order (within 1e-6); the engine
     ran where it should: FC1 (H ≤ FC1_ENGINE_MAX_K here) and bf16's FC2_DGRAD (its weight gradients
-    run on torch._grouped_mm either way), and under fp8_block also FC2 without a bias, FC1_DGRAD, and
-    both weight gradients."""
+    run on torch._grouped_mm either way), FC2 without a bias and FC1_DGRAD (bf16: cooperative 128 × 256
+    tiles), and under fp8_block also both weight gradients."""
     from moemlp import kernels as K
     from moemlp._config import MLPConfig
     from moemlp.kernels import gluon
@@ -249,7 +251,8 @@ def test_gpu_mlp_same_bits_on_either_kernel(case, recipe_name, monkeypatch):
         fc2 = ["grouped_gemm_fp8"] if t["fc2_bias"] is None else []
         expected = ["fc1", *fc2, "fc2_dgrad", "grouped_gemm_fp8", "fp8_wgrad", "fp8_wgrad"]
     else:
-        expected = ["fc1", "fc2_dgrad"]
+        fc2 = ["grouped_gemm"] if t["fc2_bias"] is None else []
+        expected = ["fc1", *fc2, "fc2_dgrad", "grouped_gemm"]
     assert calls == expected, calls
     calls.clear()
     triton_only = run("0")

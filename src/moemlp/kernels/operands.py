@@ -395,6 +395,9 @@ def gemm_on(
         gluon.fc1(a_op.a, b_op.b, splits, out, z=z, bias=bias, probs=probs, glu_interleave=cfg.glu_interleave,
                   activation_id=cfg.activation.kernel_id, params=params, **scales)  # fmt: skip
         return None
+    if engine == "grouped_gemm":
+        gluon.grouped_gemm(a_op.a, b_op.b, splits, out, b_layout=_plain_layout(b_op, N, K), cooperative=True)
+        return None
     if engine == "grouped_gemm_fp8":
         gluon.grouped_gemm_fp8(a_op.a, a_op.scales, b_op.b, _tile_scales(b_op, N, K), splits, out,
                                out_dtype=out.dtype)  # fmt: skip
@@ -413,14 +416,19 @@ def engine_kernel(kind: str, a_op: ActOperand, b_op: WeightOperand, weight: Weig
     """The Gluon kernel that runs this GEMM, "" for the Triton kernel: FC1 with its GLU epilogue
     ("fc1": fp8_block's codes, and bf16 where K ≤ FC1_ENGINE_MAX_K), FC2_DGRAD with its fused
     epilogue on bf16 ("fc2_dgrad") and on fp8_block's codes ("fc2_dgrad_fp8"), and fp8_block's FC2
-    without a bias and FC1_DGRAD ("grouped_gemm_fp8"), where ``_gluon_on`` and ``gluon.*_supports``
-    allow. The Triton kernels give the same bits (tests/kernels/test_gluon_*.py)."""
+    without a bias and FC1_DGRAD ("grouped_gemm_fp8"), and bf16's FC2 without a bias and FC1_DGRAD
+    on large experts ("grouped_gemm", ``_engine_plain``), where ``_gluon_on`` and
+    ``gluon.*_supports`` allow. The Triton kernels give the same bits (tests/kernels/test_gluon_*.py)."""
     if not _gluon_on(a_op.a) or (cfg.recipe is not None and not is_native(cfg.recipe)):
         return ""
     if kind == "fc1":
         return "fc1" if _engine_fc1(a_op, b_op, out, z, bias, cfg) else ""
     if cfg.recipe is None:
-        return "fc2_dgrad" if kind == "fc2_dgrad" and _engine_fc2_dgrad(a_op.a, weight.w, h, out, z, cfg) else ""
+        if kind == "fc2_dgrad":
+            return "fc2_dgrad" if _engine_fc2_dgrad(a_op.a, weight.w, h, out, z, cfg) else ""
+        if kind in ("fc2", "fc1_dgrad") and bias is None and _engine_plain(a_op.a, b_op, out):
+            return "grouped_gemm"
+        return ""
     if kind == "fc2_dgrad":
         # W2's K-major codes (E, F, H) as the (E, H, F) weight they transpose
         why = gluon.fc2_dgrad_fp8_supports(a_op.a, b_op.b.transpose(1, 2), h, cfg.activation.kernel_id, cfg.glu,
@@ -460,6 +468,33 @@ def _tile_scales(b_op: WeightOperand, N: int, K: int) -> Tensor:
     """fp8_block's 128×128 tile scales of B as the (E, ⌈N/128⌉, ⌈K/128⌉) view the engine reads:
     tile (n//128, k//128) of expert e where ``b_op.scale_strides`` put it (transposed for a dgrad)."""
     return torch.as_strided(b_op.scales, (b_op.scales.shape[0], _tiles(N), _tiles(K)), b_op.scale_strides)
+
+
+def _plain_layout(b_op: WeightOperand, N: int, K: int) -> str:
+    """B as the engine's plain GEMM reads it: "nk" (the contiguous (E, N, K) weight: FC2's W2), "kn"
+    (the contiguous (E, K, N) weight read in place: FC1_DGRAD's W1), or "" (any other strides: a
+    transposed-layout weight)."""
+    b = b_op.b
+    if b.dim() != 3 or not b.is_contiguous():
+        return ""
+    E = b.shape[0]
+    if tuple(b.shape) == (E, N, K) and tuple(b_op.strides) == (N * K, K, 1):
+        return "nk"
+    if tuple(b.shape) == (E, K, N) and tuple(b_op.strides) == (K * N, 1, N):
+        return "kn"
+    return ""
+
+
+def _engine_plain(a: Tensor, b_op: WeightOperand, out: Tensor) -> bool:
+    """Whether bf16's FC2 (no bias) or FC1_DGRAD runs on the engine's plain GEMM, on cooperative
+    128 × 256 tiles: where ``gluon.supports`` takes the operands (a weight in its own layout, not a
+    transposed one); the Triton kernel elsewhere, which gives the same bits (one K-ordered chain of
+    tensor-core products per element)."""
+    if not _gluon_on(a) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        return False
+    N, K = out.shape[1], a.shape[1]
+    layout = _plain_layout(b_op, N, K)
+    return bool(layout) and not gluon.supports(a, b_op.b, layout)
 
 
 def _engine_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, g_h: Tensor, z: Optional[Tensor], cfg) -> bool:

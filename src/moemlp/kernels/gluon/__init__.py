@@ -8,7 +8,8 @@ fused epilogue (dSwiGLU·probs, z, dprobs partials), which the backward runs whe
 FC2 and FC1_DGRAD run under fp8_block where ``fp8_supports`` allows, as its FC2_DGRAD runs
 ``fc2_dgrad`` on the codes where ``fc2_dgrad_fp8_supports`` does. ``fp8_wgrad`` is fp8_block's
 weight gradient, which the MLP runs wherever it is supported (``kernels.operands.fp8_wgrad``), and
-``wgrad`` the bf16 one (the Triton wgrad kernel's bits).
+``wgrad`` the bf16 one (the Triton wgrad kernel's bits). The MLP's bf16 FC2 (without a bias) and
+FC1_DGRAD run ``grouped_gemm`` on its cooperative 128 × 256 tiles.
 ``fc1`` is FC1 with its GLU epilogue, bf16 or fp8_block (the Triton kernel's bits), which the MLP's
 forward runs under fp8_block, and in bf16 where K ≤ ``operands.FC1_ENGINE_MAX_K``, where
 ``fc1_supports`` allows."""
@@ -30,7 +31,6 @@ from ._launch import (
     wgrad_supports,
 )
 
-__all__ = ["grouped_gemm", "grouped_gemm_fp8", "supports", "fp8_supports", "fc2_dgrad", "fc2_dgrad_supports",
-           "fc2_dgrad_fp8_supports", "fc1", "fc1_supports", "fp8_wgrad", "fp8_wgrad_supports", "wgrad",
-           "wgrad_supports", "is_available",
-           "missing", "why_unavailable"]
+__all__ = ["grouped_gemm", "grouped_gemm_fp8", "supports", "fp8_supports", "fc2_dgrad",
+           "fc2_dgrad_supports", "fc2_dgrad_fp8_supports", "fc1", "fc1_supports", "fp8_wgrad", "fp8_wgrad_supports",
+           "wgrad", "wgrad_supports", "is_available", "missing", "why_unavailable"]

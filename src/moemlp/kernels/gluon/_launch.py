@@ -193,7 +193,7 @@ def grouped_gemm(
     bounded by promote·2^-23 for any K, where one tensor-core chain errs like K·2^-24), on 64-row
     tiles. ``cooperative``: both consumer warpgroups on one tile of 128 rows, 256 columns (a bf16 C)
     or, promoted, 128 columns (FC2_DGRAD's cooperative mainloop), rather than ping-pong tiles of
-    128 (64 promoted) × 128; None: cooperative for a bf16 C without promotion (measured 0.97-1.19×
+    128 (64 promoted) × 128; None: cooperative for a bf16 C without promotion (measured 0.88-1.19×
     ping-pong at the four model shapes' GEMMs, docs/DECISIONS.md), ping-pong otherwise. Both give
     the same bits. Rows past
     Σsplits get 0. Splits are clamped on the device (negative → 0 rows, a running sum past M stops
