@@ -2,9 +2,12 @@
 that the MLP runs, bf16 and fp8_block, at the four model shapes, after a bitwise check of h and z.
 
     PYTHONPATH=src python3 benchmarks/bench_fc1_engine.py [--shapes a,b] [--rep-ms 60] [--fp8-stages 4,5]
+        [--rounds N]
 
 ``--fp8-stages`` times fp8_block's engine kernel at each listed stage count (the launcher's
-``FC1_FP8_STAGES`` set for the call), each checked bitwise first. The operands are the MLP's: the
+``FC1_FP8_STAGES`` set for the call), each checked bitwise first. bf16 is timed on ping-pong tiles
+and, where G is a multiple of 128, on cooperative ones (``fc1(cooperative=)``). ``--rounds N`` times
+every kernel of a shape N times in turn and reports the medians. The operands are the MLP's: the
 routed rows of ``routed_problem``, fp32 probs, z in bf16 (bf16) or fp32 (fp8_block, a recipe's z),
 G = F (gate and up halves). TFLOP/s = 2·M·H·2F / time. do_bench medians.
 
@@ -41,12 +44,12 @@ def _problem(shape, fp8: bool):
     return x, splits.to(torch.int32), probs, a_op, b_op, M, F, H, z_dtype, scales
 
 
-def _engine(a_op, b_op, splits, probs, M, F, z_dtype, scales):
+def _engine(a_op, b_op, splits, probs, M, F, z_dtype, scales, coop=None):
     h = torch.empty((M, 2 * F), device=DEV, dtype=torch.bfloat16)
     z = torch.empty((M, F), device=DEV, dtype=z_dtype)
     spec = ACTIVATIONS["swiglu"]
     gluon.fc1(a_op.a, b_op.b, splits, h, z=z, bias=None, probs=probs, glu_interleave=F,
-              activation_id=spec.kernel_id, params=(0.0, 0.0, 0.0), **scales)  # fmt: skip
+              activation_id=spec.kernel_id, params=(0.0, 0.0, 0.0), cooperative=coop, **scales)  # fmt: skip
     return h, z
 
 
@@ -61,18 +64,24 @@ def _triton(a_op, b_op, splits, probs, M, F, H, z_dtype):
     return h, z
 
 
+def _median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(GPU_SHAPES))
     ap.add_argument("--rep-ms", type=int, default=60)
     ap.add_argument("--fp8-stages", default=str(gluon_launch.FC1_FP8_STAGES))
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--bf16-only", action="store_true")
     args = ap.parse_args()
     if gluon.why_unavailable():
         raise SystemExit(f"the engine cannot run here: {gluon.why_unavailable()}")
     rows = []
     for name in args.shapes.split(","):
         shape = GPU_SHAPES[name]
-        for fp8 in (False, True):
+        for fp8 in (False,) if args.bf16_only else (False, True):
             x, splits, probs, a_op, b_op, M, F, H, z_dtype, scales = _problem(shape, fp8)
             h_like = torch.empty((M, 2 * F), device=DEV, dtype=torch.bfloat16)
             why = gluon.fc1_supports(a_op.a, b_op.b, h_like, None, ACTIVATIONS["swiglu"].kernel_id, True, F)
@@ -81,30 +90,52 @@ def main() -> None:
                 continue
             flops = 2.0 * M * H * 2 * F
             h_t, z_t = _triton(a_op, b_op, splits, probs, M, F, H, z_dtype)
-            t_triton = time_ms(lambda: _triton(a_op, b_op, splits, probs, M, F, H, z_dtype), DEV,
-                               rep_ms=args.rep_ms)  # fmt: skip
-            for stages in [int(s) for s in args.fp8_stages.split(",")] if fp8 else [gluon_launch.FC1_STAGES]:
+            # (label, stages, coop): the engine's variants at this shape
+            if fp8:
+                variants = [(f"fp8 {st} stages", st, None) for st in (int(v) for v in args.fp8_stages.split(","))]
+            else:
+                variants = [("ping-pong", gluon_launch.FC1_STAGES, False)]
+                if not gluon_launch.fc1_cooperative_why(False, False, F):
+                    variants.append(("cooperative", gluon_launch.STAGES_COOP, True))
+            runs = {}
+            for label, stages, coop in variants:
                 saved = gluon_launch.FC1_FP8_STAGES
                 if fp8:
                     gluon_launch.FC1_FP8_STAGES = stages
                 try:
-                    h, z = _engine(a_op, b_op, splits, probs, M, F, z_dtype, scales)
+                    h, z = _engine(a_op, b_op, splits, probs, M, F, z_dtype, scales, coop)
                     torch.cuda.synchronize()
-                    same = torch.equal(h, h_t) and torch.equal(z, z_t)
-                    if not same:
-                        print(f"{name}: the engine's h / z differ from the Triton kernel's "
-                              f"({int((h != h_t).sum())} h, {int((z != z_t).sum())} z elements); not timed")
-                        continue
-                    t = time_ms(lambda: _engine(a_op, b_op, splits, probs, M, F, z_dtype, scales), DEV,
-                                rep_ms=args.rep_ms)  # fmt: skip
                 finally:
                     gluon_launch.FC1_FP8_STAGES = saved
-                rows.append({"shape": name, "dtype": "fp8_block" if fp8 else "bf16", "stages": stages,
-                             "triton_ms": round(t_triton.median, 3), "engine_ms": round(t.median, 3),
-                             "engine/triton": round(t_triton.median / t.median, 3),
-                             "engine_tflops": round(flops / t.median / 1e9, 0), "bits": "equal"})  # fmt: skip
+                if not (torch.equal(h, h_t) and torch.equal(z, z_t)):
+                    print(f"{name} {label}: the engine's h / z differ from the Triton kernel's "
+                          f"({int((h != h_t).sum())} h, {int((z != z_t).sum())} z elements); not timed")
+                    continue
+                runs[label] = (stages, coop)
+            times = {label: [] for label in ["triton", *runs]}
+            for _ in range(args.rounds):  # every kernel once a round, in turn
+                times["triton"].append(time_ms(lambda: _triton(a_op, b_op, splits, probs, M, F, H, z_dtype), DEV,
+                                               rep_ms=args.rep_ms).median)  # fmt: skip
+                for label, (stages, coop) in runs.items():
+                    saved = gluon_launch.FC1_FP8_STAGES
+                    if fp8:
+                        gluon_launch.FC1_FP8_STAGES = stages
+                    try:
+                        times[label].append(time_ms(lambda: _engine(a_op, b_op, splits, probs, M, F, z_dtype, scales,
+                                                                    coop), DEV, rep_ms=args.rep_ms).median)
+                    finally:
+                        gluon_launch.FC1_FP8_STAGES = saved
+            t_triton = _median(times["triton"])
+            for label in runs:
+                t = _median(times[label])
+                rows.append({"shape": name, "dtype": "fp8_block" if fp8 else "bf16", "engine": label,
+                             "triton_ms": round(t_triton, 3), "engine_ms": round(t, 3),
+                             "engine/triton": round(t_triton / t, 3),
+                             "engine_tflops": round(flops / t / 1e9, 0),
+                             "rounds_ms": [round(v, 3) for v in times[label]], "bits": "equal"})  # fmt: skip
                 print(rows[-1], flush=True)
-    print_table(rows, list(rows[0]) if rows else [], "FC1: the engine beside the Triton kernel (speed-up = triton/engine)")
+    print_table(rows, [k for k in rows[0] if k != "rounds_ms"] if rows else [],
+                "FC1: the engine beside the Triton kernel (speed-up = triton/engine)")
 
 
 if __name__ == "__main__":

@@ -18,13 +18,16 @@ from moemlp.kernels.gluon import _compat, _launch
 needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks: {_compat.missing()}")
 
 
-def _compile_sm90(G: int, act: int, probs: str, z: str, bias: bool, scaled: bool = True, e_block: int = 128):
+def _compile_sm90(G: int, act: int, probs: str, z: str, bias: bool, scaled: bool = True, e_block: int = 128,
+                  coop: bool = False, store_z: bool = True):
     from moemlp.kernels.gluon import _engine, _fc1
 
     gl = _compat.gl
-    BN = _launch.BN
+    BN = _launch.FC1_COOP_BN if coop else _launch.BN
     if scaled:
         BM, BK, stages, code, ty = _launch.FP8_BM, _launch.FP8_BK, _launch.FC1_FP8_STAGES, "fp8e4nv", gl.float8e4nv
+    elif coop:
+        BM, BK, stages, code, ty = _launch.BM_COOP, _launch.BK, _launch.STAGES_COOP, "bf16", gl.bfloat16
     else:
         BM, BK, stages, code, ty = _launch.FC1_BM, _launch.BK, _launch.FC1_STAGES - (z == "fp32"), "bf16", gl.bfloat16
 
@@ -33,7 +36,8 @@ def _compile_sm90(G: int, act: int, probs: str, z: str, bias: bool, scaled: bool
         return f"tensordesc<{code}[{block[0]},{block[1]}],{layout!r}>"
 
     constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_M=_launch.GROUP_M, E_BLOCK=e_block, G=G, ACT=act,
-                      HAS_BIAS=bias, HAS_PROBS=True, STORE_Z=True, SCALED=scaled, A_PARTS=2 if scaled else 1)
+                      HAS_BIAS=bias, HAS_PROBS=True, STORE_Z=store_z, SCALED=scaled,
+                      A_PARTS=2 if scaled or coop else 1)
     z_ty = gl.float32 if z == "fp32" else gl.bfloat16
     sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN // 2, BK]), "h_desc": desc([BM, BN // 2], "bf16", gl.bfloat16),
            "z_desc": desc([BM, BN // 2], z, z_ty), "h_ptr": "*bf16", "z_ptr": f"*{z}",
@@ -105,6 +109,38 @@ def test_offline_sm90_compile_bf16(G, act, probs, bias):
     assert _launch.FC1_STAGES * stage + tiles <= shared <= 227 * 1024, shared
 
 
+@needs_gluon
+@pytest.mark.parametrize(
+    "G, act, probs, bias, store_z",
+    [
+        pytest.param(768, 0, "fp32", False, True, id="swiglu-halves"),  # qwen3 / mixtral / deepseek
+        pytest.param(128, 1, "bf16", True, True, id="clamped-G128-bias-bf16probs"),
+        pytest.param(768, 0, "fp32", False, False, id="h-alone"),  # recompute_fc1's launch
+    ],
+)
+def test_offline_sm90_compile_bf16_cooperative(G, act, probs, bias, store_z):
+    sass, usage, shared = _compile_sm90(G, act, probs, "bf16", bias, scaled=False, coop=True, store_z=store_z)
+    # Per consumer one unpromoted chain a tile over its 64-row half: BK / 16 = 4 wgmma of m64n256k16 a
+    # step, one group in flight (a wait for one outstanding, and the last step's wait for none).
+    assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", sass)) == 2 * (_launch.BK // 16)
+    assert not re.search(r"HGMMA\.64x128", sass)
+    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)) == 2
+    # The producer: two 64-row A blocks, the gate and the up half of the B block, a stage.
+    assert len(re.findall(r"\bUTMALDG\.2D\b", sass)) == 4
+    assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", sass)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    assert regs <= 168, usage
+    assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
+    # h's gate and up halves (one shared tile in turn) and z, from each consumer.
+    assert len(re.findall(r"\bUTMASTG\.2D\b", sass)) == 2 * (3 if store_z else 2)
+    # 3 stages × (2 × 64 + 256) × 64 × 2 B + each consumer's bf16 h tile and z tile (with z) of
+    # 64 × 128, within sm_90's 227 KiB
+    stage = (2 * _launch.BM_COOP + _launch.FC1_COOP_BN) * _launch.BK * 2
+    tiles = 2 * (1 + store_z) * _launch.BM_COOP * (_launch.FC1_COOP_BN // 2) * 2
+    assert _launch.STAGES_COOP * stage + tiles <= shared <= 227 * 1024, shared
+
+
 def _codes(*shape):
     return torch.zeros(*shape).to(torch.float8_e4m3fn)
 
@@ -169,6 +205,55 @@ GPU_CASES = [
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8_block"])
 @pytest.mark.parametrize("splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype", GPU_CASES)
 def test_gpu_matches_the_triton_kernel(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, fp8):
+    # bf16 here with an fp32 z or G = 64 or 192: the ping-pong tiles
+    _check_against_triton(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, fp8, None)
+
+
+# bf16 on cooperative tiles (G a multiple of 128, z bf16 or none); the same columns as GPU_CASES
+COOP_CASES = [
+    pytest.param([700, 0, 512, 1300, 33, 900, 400, 251], 4163, 1024, 1408, None, "swiglu", (), False, torch.float32,
+                 torch.bfloat16, id="mixtral-like"),  # gate / up halves, boundary tiles, 64 capacity rows
+    pytest.param([300, 0, 257, 129, 1, 500, 220], 1507, 2880 + 48, 384, 128, "clamped_swiglu", (7.0, 1.702, 1.0),
+                 True, torch.bfloat16, torch.bfloat16, id="G128-bias-odd-H"),  # 3 gate / up blocks of 128
+    pytest.param([1000], 1000, 256, 128, 128, "swiglu", (), True, torch.float32, None, id="h-alone"),
+    pytest.param([0, 0, 0], 40, 256, 128, None, "swiglu", (), False, torch.float32, torch.bfloat16,
+                 id="all-capacity"),
+    pytest.param([700, 700], 1000, 128, 256, None, "swiglu", (), False, torch.float32, torch.bfloat16,
+                 id="splits-past-M"),  # the running sum is clamped at M; F = 2 tiles of 128
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype", COOP_CASES)
+def test_gpu_cooperative_matches_the_triton_kernel(splits_list, M, H, F, G, activation, params, bias, probs_dtype,
+                                                   z_dtype):  # fmt: skip
+    _check_against_triton(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, False, True)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        pytest.param(dict(glu_interleave=64), "multiple of 128", id="G64"),
+        pytest.param(dict(z=torch.zeros(64, 128)), "bf16 z or none", id="fp32-z"),
+        pytest.param(dict(x=_codes(64, 256), w1=_codes(2, 256, 256), x_scale=torch.ones(64, 2),
+                          w1_scale=torch.ones(2, 2, 2)), "bf16 operands", id="fp8"),  # fmt: skip
+    ],
+)
+def test_cooperative_is_checked(change, words):
+    from moemlp.kernels.gluon import fc1
+
+    args = dict(x=torch.zeros(64, 256, dtype=torch.bfloat16), w1=torch.zeros(2, 256, 256, dtype=torch.bfloat16),
+                splits=torch.zeros(2, dtype=torch.int32), h=torch.zeros(64, 256, dtype=torch.bfloat16),
+                z=torch.zeros(64, 128, dtype=torch.bfloat16), bias=None, probs=None, glu_interleave=128,
+                activation_id=0, params=(0.0, 0.0, 0.0))  # fmt: skip
+    args.update(change)
+    with pytest.raises(ValueError, match=words):
+        fc1(**args, cooperative=True)
+    with pytest.raises(TypeError, match="True, False or None"):
+        fc1(**args, cooperative="yes")
+
+
+def _check_against_triton(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, fp8, cooperative):
     from moemlp._config import MLPConfig
     from moemlp.kernels import operands
     from moemlp.kernels.gemm import launch
@@ -190,12 +275,12 @@ def test_gpu_matches_the_triton_kernel(splits_list, M, H, F, G, activation, para
     a_op, b_op = operands.act(x, r), operands.Weight(w1, r).forward()
     pp = tuple(params) + (0.0,) * (3 - len(params))
     h = torch.full((M, 2 * F), float("nan"), device=dev, dtype=torch.bfloat16)
-    z = torch.full((M, F), float("nan"), device=dev, dtype=z_dtype)
+    z = None if z_dtype is None else torch.full((M, F), float("nan"), device=dev, dtype=z_dtype)
     assert fc1_supports(a_op.a, b_op.b, h, z, spec.kernel_id, True, G) == ""
     scales = dict(x_scale=a_op.scales, w1_scale=operands._tile_scales(b_op, 2 * F, H)) if fp8 else {}
     fc1(a_op.a, b_op.b, splits, h, z=z, bias=b1, probs=probs, glu_interleave=G, activation_id=spec.kernel_id,
-        params=pp, **scales)  # fmt: skip
-    h_t, z_t = torch.empty_like(h), torch.empty_like(z)
+        params=pp, cooperative=cooperative, **scales)  # fmt: skip
+    h_t, z_t = torch.empty_like(h), None if z is None else torch.empty_like(z)
     launch.launch_grouped_gemm(
         "fc1", a=a_op.a, b=b_op.b, b_strides=b_op.strides, splits=splits, out=h_t, N=F, K=H, N1=2 * F,
         cfg=MLPConfig(spec, tuple(params), G, False), probs=probs, bias=b1, z=z_t, a_scales=a_op.scales,
@@ -203,7 +288,10 @@ def test_gpu_matches_the_triton_kernel(splits_list, M, H, F, G, activation, para
     )  # fmt: skip
     torch.cuda.synchronize()
     routed = min(sum(splits_list), M)
-    assert not torch.isnan(h).any() and not torch.isnan(z).any(), "h or z left unwritten"
+    assert not torch.isnan(h).any(), "h left unwritten"
     assert torch.equal(h, h_t), f"{int((h != h_t).sum())} of {h.numel()} h elements differ from the Triton kernel's"
-    assert torch.equal(z, z_t), f"{int((z != z_t).sum())} of {z.numel()} z elements differ from the Triton kernel's"
-    assert (h[routed:] == 0).all() and (z[routed:] == 0).all(), "capacity rows"
+    assert (h[routed:] == 0).all(), "capacity rows of h"
+    if z is not None:
+        assert not torch.isnan(z).any(), "z left unwritten"
+        assert torch.equal(z, z_t), f"{int((z != z_t).sum())} of {z.numel()} z elements differ from the Triton kernel's"
+        assert (z[routed:] == 0).all(), "capacity rows of z"

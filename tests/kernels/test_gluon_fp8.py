@@ -204,6 +204,10 @@ MLP_CASES = [
     pytest.param((48, 1024, 384, 6000, (), 17, dict(bias=False)), id="qwen3_like"),
     # ~1500 rows an expert (one empty)
     pytest.param((4, 1024, 1408, 6000, (2,), 33, dict(bias=False)), id="large_experts"),
+    # H past FC1_ENGINE_MAX_K: bf16 FC1 on the engine's cooperative tiles (G = F = 384, a multiple of
+    # 128), or on the Triton kernel (G = F = 320)
+    pytest.param((4, 4608, 384, 2000, (), 16, dict(bias=False)), id="wide_H"),
+    pytest.param((4, 4608, 320, 2000, (), 16, dict(bias=False)), id="wide_H-G320"),
 ]
 ENGINE_KERNELS = ("fc1", "grouped_gemm", "grouped_gemm_fp8", "fc2_dgrad", "fp8_wgrad")
 
@@ -215,7 +219,8 @@ def test_gpu_mlp_same_bits_on_either_kernel(case, recipe_name, monkeypatch):
     """grouped_mlp's forward and backward with the GEMMs on the engine where it takes them and with
     MOEMLP_GLUON=0 (all on the Triton kernels): every output bitwise equal but dprobs, whose partials
     the two FC2_DGRAD kernels sum over a tile's columns in another order (within 1e-6); the engine
-    ran where it should: FC1 (H ≤ FC1_ENGINE_MAX_K here) and bf16's FC2_DGRAD (its weight gradients
+    ran where it should: FC1 (fp8_block; bf16 where H ≤ FC1_ENGINE_MAX_K or its cooperative tiles
+    apply) and bf16's FC2_DGRAD (its weight gradients
     run on torch._grouped_mm either way), FC2 without a bias and FC1_DGRAD (bf16: cooperative 128 × 256
     tiles), and under fp8_block also both weight gradients."""
     from moemlp import kernels as K
@@ -246,13 +251,13 @@ def test_gpu_mlp_same_bits_on_either_kernel(case, recipe_name, monkeypatch):
         return (y, h) + tuple(K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, (True,) * 6))
 
     engine = run("1")
-    assert H <= FC1_ENGINE_MAX_K
+    fc1 = ["fc1"] if fp8 or H <= FC1_ENGINE_MAX_K or cfg.glu_interleave % 128 == 0 else []
     if fp8:
         fc2 = ["grouped_gemm_fp8"] if t["fc2_bias"] is None else []
-        expected = ["fc1", *fc2, "fc2_dgrad", "grouped_gemm_fp8", "fp8_wgrad", "fp8_wgrad"]
+        expected = [*fc1, *fc2, "fc2_dgrad", "grouped_gemm_fp8", "fp8_wgrad", "fp8_wgrad"]
     else:
         fc2 = ["grouped_gemm"] if t["fc2_bias"] is None else []
-        expected = ["fc1", *fc2, "fc2_dgrad", "grouped_gemm"]
+        expected = [*fc1, *fc2, "fc2_dgrad", "grouped_gemm"]
     assert calls == expected, calls
     calls.clear()
     triton_only = run("0")

@@ -12,8 +12,14 @@ loaded by two TMA copies into the halves of one 128-row stage (B_PARTS = 2), so 
 m64n128 chain whose first 64 accumulator columns are the gates and the rest their ups. The partitions
 are the engine's TMA producer and two consumer warpgroups:
 
-* bf16 (SCALED off): 128-row tiles in ping-pong, each consumer's K loop one chain into its 128×128
-  accumulator (as the Triton kernel's, unpromoted), while the other consumer's epilogue runs beside it;
+* bf16 (SCALED off), ping-pong (A_PARTS = 1): 128-row tiles of 64 output columns, each consumer's K
+  loop one chain into its 128×128 accumulator (as the Triton kernel's, unpromoted), while the other
+  consumer's epilogue runs beside it;
+* bf16, cooperative (A_PARTS = 2, BN = 256): 128-row tiles of 128 output columns, the two consumers
+  on the tile's 64-row halves at once, one m64n256 chain a step (G a multiple of 128). Each B block
+  then serves 128 rows and each A block 256 columns, a quarter less operand traffic per MMA, at the
+  price of an epilogue that nothing overlaps but the previous tile's TMA stores (the plain GEMM's
+  cooperative tiles, _engine.py);
 * fp8_block (SCALED): e4m3 codes with their 1×128 and 128×128 scales (_engine._mainloop_scaled) on
   the two 64-row halves of 128-row tiles (cooperative), so that one consumer's promotion overlaps
   the other's wgmma; the two halves' weight scales come from two 128×128 tiles, one scale a column.
@@ -22,7 +28,9 @@ Epilogue, in registers: in the wgmma accumulator layout a thread holds column c 
 the same rows (the 64 is a register bit of the layout), so the tile splits into its gate and up
 halves without moving data (reshape → permute → split), and the bias, the GLU and the probs are
 applied where the products are. h's gate and up halves and z go to this warpgroup's bf16 / z-dtype
-shared tiles and out by TMA stores, which the next tile's mainloop overlaps. A tile whose rows cross
+shared tiles and out by TMA stores, which the next tile's mainloop overlaps. bf16's cooperative tiles
+stage the gate and up halves through one shared tile a consumer, the up half once the gate's store has
+read it (their 64 × 128 tiles beside a 3-stage ring of 48 KiB stages leave no room for a third). A tile whose rows cross
 its expert's end (unless the expert's end is row M, where TMA's clipping is exact) is stored from the
 same shared tiles by masked 16-byte vectors instead: those rows belong to the next expert's tiles.
 Capacity rows (past Σsplits) get zeros in h and z from the capacity tiles, so every element is
@@ -82,6 +90,18 @@ def _store_h_z(h_desc, z_desc, h_ptr, z_ptr, gate_smem, up_smem, z_smem, m0, n0,
 
 
 @gluon.jit
+def _store_block(desc, ptr, smem, m0, col0, ld, row_end, full, BM: gl.constexpr, W: gl.constexpr):
+    """One [BM, W] shared tile to ptr[m0 + r, col0 + c]: a TMA store when ``full`` (every row the
+    tile's expert's, or the expert ends at row M), else masked 16-byte vectors of the rows before
+    ``row_end``."""
+    if full:
+        fence_async_shared()
+        tma_store(desc, [m0, col0], smem)
+    else:
+        _masked_store(smem, ptr, m0, col0, ld, row_end, BM, W)
+
+
+@gluon.jit
 def _halves(acc, BM: gl.constexpr, TILE_N: gl.constexpr):
     """The accumulator's gate columns (j < TILE_N) and up columns (TILE_N + j): in the wgmma layout
     both sit in the same thread's registers, so the split moves no data."""
@@ -92,8 +112,8 @@ def _halves(acc, BM: gl.constexpr, TILE_N: gl.constexpr):
 def _fc1_epilogue(acc, e, m0, n0, row_end, count, WG: gl.constexpr, args):
     """The engine's epilogue unit (_engine._tile_loop) for FC1. ``args`` = (h_desc, z_desc, h_tiles,
     z_tiles, h_ptr, z_ptr, bias_ptr, probs_ptr, M, N, N1, p0, p1, p2, BM, BN, G, ACT, HAS_BIAS,
-    HAS_PROBS, STORE_Z, SCALED); the constexprs are read by index into constexpr names (unpacking would make
-    them runtime values)."""
+    HAS_PROBS, STORE_Z, SCALED, A_PARTS); the constexprs are read by index into constexpr names (unpacking
+    would make them runtime values)."""
     BM: gl.constexpr = args[14]
     BN: gl.constexpr = args[15]
     G: gl.constexpr = args[16]
@@ -101,6 +121,8 @@ def _fc1_epilogue(acc, e, m0, n0, row_end, count, WG: gl.constexpr, args):
     HAS_BIAS: gl.constexpr = args[18]
     HAS_PROBS: gl.constexpr = args[19]
     STORE_Z: gl.constexpr = args[20]
+    # bf16 on cooperative tiles: one h tile a consumer, the gate then the up half
+    ONE_H_TILE: gl.constexpr = (args[22] == 2) & (not args[21])
     TILE_N: gl.constexpr = BN // 2
     h_desc = args[0]
     z_desc = args[1]
@@ -112,12 +134,18 @@ def _fc1_epilogue(acc, e, m0, n0, row_end, count, WG: gl.constexpr, args):
         bias_row = args[6] + e.to(gl.int64) * args[10] + gate0
         gate = gate + gl.load(bias_row + cols).to(gl.float32)[None, :]
         up = up + gl.load(bias_row + G + cols).to(gl.float32)[None, :]
-    gate_smem = args[2].index(2 * WG)
-    up_smem = args[2].index(2 * WG + 1)
     z_smem = args[3].index(WG)
     store_wait(0)  # this warpgroup's previous TMA stores have finished reading its shared tiles
-    gate_smem.store(gate.to(h_desc.dtype))
-    up_smem.store(up.to(h_desc.dtype))
+    if ONE_H_TILE:
+        h_smem = args[2].index(WG)
+        full = (m0 + BM <= row_end) | (row_end == args[8])
+        h_smem.store(gate.to(h_desc.dtype))
+        _store_block(h_desc, args[4], h_smem, m0, gate0, args[10], row_end, full, BM, TILE_N)
+    else:
+        gate_smem = args[2].index(2 * WG)
+        up_smem = args[2].index(2 * WG + 1)
+        gate_smem.store(gate.to(h_desc.dtype))
+        up_smem.store(up.to(h_desc.dtype))
     if STORE_Z:
         z = _glu_forward(gate, up, ACT, args[11], args[12], args[13])  # from the fp32 h
         if HAS_PROBS:
@@ -125,8 +153,17 @@ def _fc1_epilogue(acc, e, m0, n0, row_end, count, WG: gl.constexpr, args):
             p = gl.load(args[7] + rows, mask=rows < row_end, other=0.0).to(gl.float32)
             z = z * p[:, None]  # fp32 × fp32: an fp32 probs is never rounded
         z_smem.store(z.to(z_desc.dtype))
-    _store_h_z(h_desc, z_desc, args[4], args[5], gate_smem, up_smem, z_smem, m0, n0, gate0, row_end, args[8],
-               args[9], args[10], BM, G, STORE_Z)
+    if ONE_H_TILE:
+        if STORE_Z:
+            _store_block(z_desc, args[5], z_smem, m0, n0, args[9], row_end, full, BM, TILE_N)
+            store_wait(1)  # the gate's store has read h_smem (z's may still be reading z_smem)
+        else:
+            store_wait(0)
+        h_smem.store(up.to(h_desc.dtype))
+        _store_block(h_desc, args[4], h_smem, m0, gate0 + G, args[10], row_end, full, BM, TILE_N)
+    else:
+        _store_h_z(h_desc, z_desc, args[4], args[5], gate_smem, up_smem, z_smem, m0, n0, gate0, row_end, args[8],
+                   args[9], args[10], BM, G, STORE_Z)
 
 
 @gluon.jit
@@ -153,14 +190,13 @@ def _consumer(a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
               E_BLOCK: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
               HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, SCALED: gl.constexpr, A_PARTS: gl.constexpr):
-    # fp8_block: cooperative tiles (A_PARTS = 2) and the scaled mainloop, whose promotion the engine
-    # counts as PROMOTE = 1; bf16: ping-pong (A_PARTS = 1), one unpromoted chain a tile.
-    PROMOTE: gl.constexpr = A_PARTS - 1
+    # fp8_block: cooperative tiles (A_PARTS = 2) and the scaled mainloop (PROMOTE is not read there);
+    # bf16: ping-pong or cooperative tiles, one unpromoted chain a tile (PROMOTE = 0).
     _tile_loop(_fc1_epilogue, _fc1_capacity,
                (h_desc, z_desc, h_tiles, z_tiles, h_ptr, z_ptr, bias_ptr, probs_ptr, M, N, N1, p0, p1, p2, BM, BN,
-                G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED),
+                G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS),
                a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK,
-               True, PROMOTE, A_PARTS, SCALED,
+               True, SCALED, A_PARTS, SCALED,
                (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk),
                2, G)  # fmt: skip
 
@@ -194,7 +230,7 @@ def fc1_kernel(
     p1,
     p2,
     BM: gl.constexpr,  # a consumer's rows: a tile's (ping-pong), half a tile's (cooperative)
-    BN: gl.constexpr,  # gate and up columns of a tile: BN / 2 output columns
+    BN: gl.constexpr,  # gate and up columns of a tile: BN / 2 output columns (128 or, bf16 cooperative, 256)
     BK: gl.constexpr,
     STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
@@ -205,13 +241,17 @@ def fc1_kernel(
     HAS_PROBS: gl.constexpr,
     STORE_Z: gl.constexpr,
     SCALED: gl.constexpr,  # fp8_block's codes and scales
-    A_PARTS: gl.constexpr,  # 2: cooperative 2·BM-row tiles (SCALED); 1: ping-pong BM-row tiles (bf16)
+    A_PARTS: gl.constexpr,  # 2: cooperative 2·BM-row tiles (fp8_block, or bf16); 1: ping-pong BM-row tiles (bf16)
 ):
-    gl.static_assert(A_PARTS == 1 + SCALED, "fp8_block on cooperative tiles, bf16 in ping-pong")
-    gl.static_assert(h_desc.block_type.shape[1] == BN // 2, "h's and z's blocks: a tile's 64 columns")
+    gl.static_assert((A_PARTS == 2) | (not SCALED), "fp8_block on cooperative tiles")
+    gl.static_assert(h_desc.block_type.shape[1] == BN // 2, "h's and z's blocks: a tile's output columns")
     a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, True, A_PARTS)
-    # Each consumer's shared tiles: h's gate and up halves (2·WG, 2·WG + 1), and z (WG).
-    h_tiles = gl.allocate_shared_memory(h_desc.dtype, [4, BM, BN // 2], h_desc.layout)
+    # Each consumer's shared tiles: h's gate and up halves (2·WG, 2·WG + 1; bf16 cooperative: one tile,
+    # WG, for both in turn), and z (WG).
+    if (A_PARTS == 2) & (not SCALED):
+        h_tiles = gl.allocate_shared_memory(h_desc.dtype, [2, BM, BN // 2], h_desc.layout)
+    else:
+        h_tiles = gl.allocate_shared_memory(h_desc.dtype, [4, BM, BN // 2], h_desc.layout)
     if STORE_Z:
         z_tiles = gl.allocate_shared_memory(z_desc.dtype, [2, BM, BN // 2], z_desc.layout)
     else:

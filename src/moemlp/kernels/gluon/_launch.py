@@ -43,6 +43,11 @@ FP8_BM, FP8_BK, FP8_STAGES = 64, 128, 4
 # KiB); 5 measured 1.04× 4 at 1024 and 2048 rows an expert, 0.97× at 256 (docs/DECISIONS.md).
 FC1_BM, FC1_STAGES = 128, 4
 FC1_FP8_STAGES = 5
+# bf16 FC1 on cooperative tiles: 2 × 64 rows × 128 output columns (256 gate and up columns, m64n256
+# wgmma), the plain GEMM's 3 stages of 48 KiB (144 KiB) + each consumer's one bf16 h tile (the gate,
+# then the up half) and bf16 z tile of 64 × 128 (2 × 32 KiB): 208 KiB. A bf16 z only (an fp32 z tile
+# would not fit), and G a multiple of 128 (a tile's gates in one block).
+FC1_COOP_BN = 256
 
 
 @functools.cache
@@ -580,6 +585,17 @@ def fc1_supports(x: torch.Tensor, w1: torch.Tensor, h: torch.Tensor, z: torch.Te
     return _device_reason(_index(x.device))
 
 
+def fc1_cooperative_why(scaled: bool, fp32_z: bool, glu_interleave: int) -> str:
+    """Why FC1 cannot take bf16 cooperative tiles ("" when it can)."""
+    if scaled:
+        return "bf16 operands (fp8_block has its own cooperative tiles)"
+    if fp32_z:
+        return "a bf16 z or none (an fp32 z's shared tiles would not fit beside the ring)"
+    if glu_interleave % (FC1_COOP_BN // 2):
+        return f"gate / up blocks of a multiple of {FC1_COOP_BN // 2} columns (G = {glu_interleave})"
+    return ""
+
+
 def fc1(
     x: torch.Tensor,  # (M, H) bf16 or e4m3 codes, rows grouped by expert
     w1: torch.Tensor,  # (E, N1, H) bf16 or e4m3 codes
@@ -594,12 +610,15 @@ def fc1(
     params: tuple[float, float, float],
     x_scale: torch.Tensor | None = None,  # fp8_block: (M, ⌈H/128⌉) fp32, any strides
     w1_scale: torch.Tensor | None = None,  # fp8_block: (E, ⌈N1/128⌉, ⌈H/128⌉) fp32 tile scales, any strides
+    cooperative: bool | None = None,
 ) -> None:
     """FC1 on the engine: h = x[R_e] @ W1[e]ᵀ (+ b1) in fp32, rounded once to bf16, and z =
-    act(gate, up)·p from the fp32 h; capacity rows get zeros. bf16 operands on 128-row ping-pong
-    tiles, one unpromoted chain a tile (the Triton kernel's arithmetic); fp8_block's codes (the
-    scales given) on cooperative tiles, each 128-deep product scaled into h. The caller checked
-    ``fc1_supports``; the scales' shapes are checked here."""
+    act(gate, up)·p from the fp32 h; capacity rows get zeros. bf16 operands one unpromoted chain a
+    tile (the Triton kernel's arithmetic), on 128-row ping-pong tiles of 64 output columns or, with
+    ``cooperative``, 128-row cooperative tiles of 128 (G a multiple of 128, z bf16 or None); the same
+    bits either way; None: cooperative where it applies. fp8_block's codes (the scales given) on
+    cooperative tiles, each 128-deep product scaled into h. The caller checked ``fc1_supports``; the
+    scales' shapes and ``cooperative`` are checked here."""
     from ._compat import TensorDescriptor
     from ._engine import MAXNREG, NUM_WARPS
     from ._fc1 import fc1_kernel
@@ -617,18 +636,28 @@ def fc1(
                              f"{tuple(x_scale.shape)} and {tuple(w1_scale.shape)}")  # fmt: skip
     if bias is not None and (tuple(bias.shape) != (E, N1) or not bias.is_contiguous()):
         raise ValueError(f"fc1: bias must be a contiguous ({E}, {N1}), got {tuple(bias.shape)}")
+    if cooperative is not None and not isinstance(cooperative, bool):
+        raise TypeError(f"fc1: cooperative must be True, False or None, got {cooperative!r}")
+    fp32_z = z is not None and z.dtype == torch.float32
+    why_not_coop = fc1_cooperative_why(scaled, fp32_z, glu_interleave)
+    if cooperative and why_not_coop:
+        raise ValueError(f"fc1: bf16 cooperative tiles take {why_not_coop}")
+    if cooperative is None:
+        cooperative = not why_not_coop
     if M == 0 or F == 0:
         return
+    bn = BN
     if scaled:
         bm, bk, stages, a_parts = FP8_BM, FP8_BK, FC1_FP8_STAGES, 2
+    elif cooperative:
+        bm, bk, stages, a_parts, bn = BM_COOP, BK, STAGES_COOP, 2, FC1_COOP_BN
     else:
-        fp32_z = z is not None and z.dtype == torch.float32
         bm, bk, stages, a_parts = FC1_BM, BK, FC1_STAGES - fp32_z, 1
     layout = _fp8_smem_layout if scaled else _smem_layout
     bind_context(x.device)
     a_desc = TensorDescriptor.from_tensor(x, [bm, bk], layout((bm, bk)))
-    b_desc = TensorDescriptor.from_tensor(w1.view(E * N1, H), [BN // 2, bk], layout((BN // 2, bk)))
-    out_block = (bm, BN // 2)
+    b_desc = TensorDescriptor.from_tensor(w1.view(E * N1, H), [bn // 2, bk], layout((bn // 2, bk)))
+    out_block = (bm, bn // 2)
     h_desc = TensorDescriptor.from_tensor(h, list(out_block), _smem_layout(out_block))
     if z is not None:
         z_desc = TensorDescriptor.from_tensor(z, list(out_block), _smem_layout(out_block, z.dtype == torch.float32))
@@ -639,7 +668,7 @@ def fc1(
     else:
         scale_args = (x, 0, 0, x, 0, 0, 0)  # never read: SCALED is off
     e_block = max(32, 1 << (E - 1).bit_length())
-    tile_bound = (-(-M // (bm * a_parts)) + E) * -(-F // (BN // 2))
+    tile_bound = (-(-M // (bm * a_parts)) + E) * -(-F // (bn // 2))
     grid = (min(_num_sms(_index(x.device)), tile_bound),)
     dummy = h  # never dereferenced: the constexpr flags switch its loads and stores off
     with torch.cuda.device(x.device):
@@ -647,7 +676,7 @@ def fc1(
             a_desc, b_desc, h_desc, z_desc, h, z if z is not None else dummy, bias if bias is not None else dummy,
             probs if probs is not None else dummy, *scale_args, splits, E, M, F, H, N1,
             float(params[0]), float(params[1]), float(params[2]),
-            BM=bm, BN=BN, BK=bk, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, G=glu_interleave,
+            BM=bm, BN=bn, BK=bk, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, G=glu_interleave,
             ACT=activation_id, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, STORE_Z=z is not None,
             SCALED=scaled, A_PARTS=a_parts, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
