@@ -253,6 +253,17 @@ def test_cooperative_is_checked(change, words):
         fc1(**args, cooperative="yes")
 
 
+def test_cooperative_by_default_on_large_experts():
+    from moemlp.kernels.gluon import fc1_cooperative
+
+    rows = _launch.FC1_COOPERATIVE_ROWS
+    assert fc1_cooperative(8 * rows, 8, False, False, 128)
+    assert not fc1_cooperative(8 * rows - 1, 8, False, False, 128)  # experts below the threshold: ping-pong
+    assert not fc1_cooperative(8 * rows, 8, False, False, 64)
+    assert not fc1_cooperative(8 * rows, 8, False, True, 128)  # an fp32 z
+    assert not fc1_cooperative(8 * rows, 8, True, False, 128)  # fp8_block
+
+
 def _check_against_triton(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, fp8, cooperative):
     from moemlp._config import MLPConfig
     from moemlp.kernels import operands

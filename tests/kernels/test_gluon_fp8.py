@@ -205,9 +205,10 @@ MLP_CASES = [
     # ~1500 rows an expert (one empty)
     pytest.param((4, 1024, 1408, 6000, (2,), 33, dict(bias=False)), id="large_experts"),
     # H past FC1_ENGINE_MAX_K: bf16 FC1 on the engine's cooperative tiles (G = F = 384, a multiple of
-    # 128), or on the Triton kernel (G = F = 320)
-    pytest.param((4, 4608, 384, 2000, (), 16, dict(bias=False)), id="wide_H"),
-    pytest.param((4, 4608, 320, 2000, (), 16, dict(bias=False)), id="wide_H-G320"),
+    # 128, ~600 rows an expert), or on the Triton kernel (G = F = 320; ~200 rows an expert)
+    pytest.param((4, 4608, 384, 2400, (), 16, dict(bias=False)), id="wide_H"),
+    pytest.param((4, 4608, 320, 2400, (), 16, dict(bias=False)), id="wide_H-G320"),
+    pytest.param((12, 4608, 384, 2400, (), 16, dict(bias=False)), id="wide_H-small_experts"),
 ]
 ENGINE_KERNELS = ("fc1", "grouped_gemm", "grouped_gemm_fp8", "fc2_dgrad", "fp8_wgrad")
 
@@ -226,6 +227,7 @@ def test_gpu_mlp_same_bits_on_either_kernel(case, recipe_name, monkeypatch):
     from moemlp import kernels as K
     from moemlp._config import MLPConfig
     from moemlp.kernels import gluon
+    from moemlp.kernels.gluon import _launch as gluon_launch
     from moemlp.kernels.gluon import why_unavailable
     from moemlp.kernels.operands import FC1_ENGINE_MAX_K
     from moemlp.recipes import recipe
@@ -251,7 +253,9 @@ def test_gpu_mlp_same_bits_on_either_kernel(case, recipe_name, monkeypatch):
         return (y, h) + tuple(K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, (True,) * 6))
 
     engine = run("1")
-    fc1 = ["fc1"] if fp8 or H <= FC1_ENGINE_MAX_K or cfg.glu_interleave % 128 == 0 else []
+    M = t["x"].shape[0]
+    coop = cfg.glu_interleave % 128 == 0 and M >= gluon_launch.FC1_COOPERATIVE_ROWS * E
+    fc1 = ["fc1"] if fp8 or H <= FC1_ENGINE_MAX_K or coop else []
     if fp8:
         fc2 = ["grouped_gemm_fp8"] if t["fc2_bias"] is None else []
         expected = [*fc1, *fc2, "fc2_dgrad", "grouped_gemm_fp8", "fp8_wgrad", "fp8_wgrad"]

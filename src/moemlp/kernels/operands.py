@@ -442,18 +442,19 @@ def engine_kernel(kind: str, a_op: ActOperand, b_op: WeightOperand, weight: Weig
 # bf16 FC1 on the engine's ping-pong tiles up to this K (H): there its 128 × 128 tiles overlap each
 # tile's GLU epilogue with the other consumer's mainloop and measured 1.02–1.15× the Triton kernel; at
 # H = 7168 (deepseek-v3) the long K loop dominates and the Triton kernel's tiles were faster (0.94×).
-# Where the cooperative 128 × 256 tiles apply (``gluon.fc1_cooperative_why``) bf16 FC1 runs on the
-# engine at any K. fp8_block's FC1 measured 1.27–1.47× on the engine at every shape (docs/DECISIONS.md).
+# Where it takes the cooperative 128 × 256 tiles (``gluon.fc1_cooperative``) bf16 FC1 runs on the
+# engine at any K: at deepseek-v3 they measured 1.13× the Triton kernel. fp8_block's FC1 measured
+# 1.27–1.47× on the engine at every shape (docs/DECISIONS.md).
 FC1_ENGINE_MAX_K = 4096
 
 
 def _engine_fc1(a_op: ActOperand, b_op: WeightOperand, h: Tensor, z: Optional[Tensor], bias: Optional[Tensor],
                 cfg) -> bool:
-    """Whether FC1 runs on the engine (``gluon.fc1``): fp8_block's codes, or bf16 on cooperative tiles
-    or with K ≤ FC1_ENGINE_MAX_K, a contiguous bias, and the operands ``gluon.fc1_supports`` takes."""
+    """Whether FC1 runs on the engine (``gluon.fc1``): fp8_block's codes, or bf16 where it takes
+    cooperative tiles or K ≤ FC1_ENGINE_MAX_K, a contiguous bias, and the operands ``gluon.fc1_supports`` takes."""
     if cfg.recipe is None and a_op.a.shape[1] > FC1_ENGINE_MAX_K:
         fp32_z = z is not None and z.dtype == torch.float32
-        if gluon.fc1_cooperative_why(False, fp32_z, cfg.glu_interleave):
+        if not gluon.fc1_cooperative(a_op.a.shape[0], b_op.b.shape[0], False, fp32_z, cfg.glu_interleave):
             return False
     if bias is not None and not bias.is_contiguous():
         return False

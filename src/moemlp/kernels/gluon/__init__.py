@@ -11,12 +11,13 @@ weight gradient, which the MLP runs wherever it is supported (``kernels.operands
 ``wgrad`` the bf16 one (the Triton wgrad kernel's bits). The MLP's bf16 FC2 (without a bias) and
 FC1_DGRAD run ``grouped_gemm`` on its cooperative 128 × 256 tiles.
 ``fc1`` is FC1 with its GLU epilogue, bf16 or fp8_block (the Triton kernel's bits), which the MLP's
-forward runs under fp8_block, and in bf16 where K ≤ ``operands.FC1_ENGINE_MAX_K`` or its cooperative
-tiles apply (``fc1_cooperative_why``), where ``fc1_supports`` allows."""
+forward runs under fp8_block, and in bf16 where K ≤ ``operands.FC1_ENGINE_MAX_K`` or it takes its
+cooperative tiles (``fc1_cooperative``), where ``fc1_supports`` allows."""
 
 from ._compat import is_available, missing, why_unavailable
 from ._launch import (
     fc1,
+    fc1_cooperative,
     fc1_cooperative_why,
     fc1_supports,
     fc2_dgrad,
@@ -33,6 +34,6 @@ from ._launch import (
 )
 
 __all__ = ["grouped_gemm", "grouped_gemm_fp8", "supports", "fp8_supports", "fc2_dgrad",
-           "fc2_dgrad_supports", "fc2_dgrad_fp8_supports", "fc1", "fc1_cooperative_why", "fc1_supports",
-           "fp8_wgrad", "fp8_wgrad_supports", "wgrad", "wgrad_supports", "is_available", "missing",
+           "fc2_dgrad_supports", "fc2_dgrad_fp8_supports", "fc1", "fc1_cooperative", "fc1_cooperative_why",
+           "fc1_supports", "fp8_wgrad", "fp8_wgrad_supports", "wgrad", "wgrad_supports", "is_available", "missing",
            "why_unavailable"]

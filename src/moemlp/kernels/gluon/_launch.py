@@ -48,6 +48,10 @@ FC1_FP8_STAGES = 5
 # then the up half) and bf16 z tile of 64 × 128 (2 × 32 KiB): 208 KiB. A bf16 z only (an fp32 z tile
 # would not fit), and G a multiple of 128 (a tile's gates in one block).
 FC1_COOP_BN = 256
+# ... where experts average at least this many rows (M / E, no device read), else ping-pong: at 256 rows
+# an expert ping-pong measured 1.02× cooperative, at 1024 and 2048 cooperative 1.18× and 1.03×
+# ping-pong (docs/DECISIONS.md, "bf16 FC1 on cooperative 128 × 256 GLU tiles").
+FC1_COOPERATIVE_ROWS = 512
 
 
 @functools.cache
@@ -586,7 +590,8 @@ def fc1_supports(x: torch.Tensor, w1: torch.Tensor, h: torch.Tensor, z: torch.Te
 
 
 def fc1_cooperative_why(scaled: bool, fp32_z: bool, glu_interleave: int) -> str:
-    """Why FC1 cannot take bf16 cooperative tiles ("" when it can)."""
+    """Why FC1 cannot take bf16 cooperative tiles ("" when it can; ``fc1_cooperative`` says whether
+    it does by default)."""
     if scaled:
         return "bf16 operands (fp8_block has its own cooperative tiles)"
     if fp32_z:
@@ -594,6 +599,12 @@ def fc1_cooperative_why(scaled: bool, fp32_z: bool, glu_interleave: int) -> str:
     if glu_interleave % (FC1_COOP_BN // 2):
         return f"gate / up blocks of a multiple of {FC1_COOP_BN // 2} columns (G = {glu_interleave})"
     return ""
+
+
+def fc1_cooperative(M: int, E: int, scaled: bool, fp32_z: bool, glu_interleave: int) -> bool:
+    """Whether ``fc1(cooperative=None)`` takes bf16 cooperative tiles: where they apply and the
+    experts average at least FC1_COOPERATIVE_ROWS rows."""
+    return not fc1_cooperative_why(scaled, fp32_z, glu_interleave) and M >= FC1_COOPERATIVE_ROWS * E
 
 
 def fc1(
@@ -616,7 +627,7 @@ def fc1(
     act(gate, up)·p from the fp32 h; capacity rows get zeros. bf16 operands one unpromoted chain a
     tile (the Triton kernel's arithmetic), on 128-row ping-pong tiles of 64 output columns or, with
     ``cooperative``, 128-row cooperative tiles of 128 (G a multiple of 128, z bf16 or None); the same
-    bits either way; None: cooperative where it applies. fp8_block's codes (the scales given) on
+    bits either way; None: ``fc1_cooperative``. fp8_block's codes (the scales given) on
     cooperative tiles, each 128-deep product scaled into h. The caller checked ``fc1_supports``; the
     scales' shapes and ``cooperative`` are checked here."""
     from ._compat import TensorDescriptor
@@ -643,7 +654,7 @@ def fc1(
     if cooperative and why_not_coop:
         raise ValueError(f"fc1: bf16 cooperative tiles take {why_not_coop}")
     if cooperative is None:
-        cooperative = not why_not_coop
+        cooperative = fc1_cooperative(M, E, scaled, fp32_z, glu_interleave)
     if M == 0 or F == 0:
         return
     bn = BN
