@@ -451,7 +451,8 @@ FC1_ENGINE_MAX_K = 4096
 def _engine_fc1(a_op: ActOperand, b_op: WeightOperand, h: Tensor, z: Optional[Tensor], bias: Optional[Tensor],
                 cfg) -> bool:
     """Whether FC1 runs on the engine (``gluon.fc1``): fp8_block's codes, or bf16 where it takes
-    cooperative tiles or K ≤ FC1_ENGINE_MAX_K, a contiguous bias, and the operands ``gluon.fc1_supports`` takes."""
+    cooperative tiles or K ≤ FC1_ENGINE_MAX_K, a contiguous bias, and the operands
+    ``gluon.fc1_supports`` takes."""
     if cfg.recipe is None and a_op.a.shape[1] > FC1_ENGINE_MAX_K:
         fp32_z = z is not None and z.dtype == torch.float32
         if not gluon.fc1_cooperative(a_op.a.shape[0], b_op.b.shape[0], False, fp32_z, cfg.glu_interleave):

@@ -29,10 +29,11 @@ the same rows (the 64 is a register bit of the layout), so the tile splits into 
 halves without moving data (reshape → permute → split), and the bias, the GLU and the probs are
 applied where the products are. h's gate and up halves and z go to this warpgroup's bf16 / z-dtype
 shared tiles and out by TMA stores, which the next tile's mainloop overlaps. bf16's cooperative tiles
-stage the gate and up halves through one shared tile a consumer, the up half once the gate's store has
-read it (their 64 × 128 tiles beside a 3-stage ring of 48 KiB stages leave no room for a third). A tile whose rows cross
-its expert's end (unless the expert's end is row M, where TMA's clipping is exact) is stored from the
-same shared tiles by masked 16-byte vectors instead: those rows belong to the next expert's tiles.
+stage the gate and up halves through one shared tile a consumer, the up half once the gate's store
+has read it (their 64 × 128 tiles beside a 3-stage ring of 48 KiB stages leave no room for a third).
+A tile whose rows cross its expert's end (unless the expert's end is row M, where TMA's clipping is
+exact) is stored from the same shared tiles by masked 16-byte vectors instead: those rows belong to
+the next expert's tiles.
 Capacity rows (past Σsplits) get zeros in h and z from the capacity tiles, so every element is
 written exactly once. No atomics: the same bits on every run.
 """

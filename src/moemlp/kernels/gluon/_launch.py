@@ -48,9 +48,9 @@ FC1_FP8_STAGES = 5
 # then the up half) and bf16 z tile of 64 × 128 (2 × 32 KiB): 208 KiB. A bf16 z only (an fp32 z tile
 # would not fit), and G a multiple of 128 (a tile's gates in one block).
 FC1_COOP_BN = 256
-# ... where experts average at least this many rows (M / E, no device read), else ping-pong: at 256 rows
-# an expert ping-pong measured 1.02× cooperative, at 1024 and 2048 cooperative 1.18× and 1.03×
-# ping-pong (docs/DECISIONS.md, "bf16 FC1 on cooperative 128 × 256 GLU tiles").
+# fc1 takes those tiles by default where experts average at least this many rows (M / E, no device
+# read), else ping-pong: at 256 rows an expert ping-pong measured 1.02× cooperative, at 1024 and 2048
+# cooperative 1.18× and 1.03× ping-pong (docs/DECISIONS.md, "bf16 FC1 on cooperative 128 × 256 GLU tiles").
 FC1_COOPERATIVE_ROWS = 512
 
 
