@@ -10,7 +10,7 @@ path (``MOEMLP_GLUON=0`` keeps it on Triton; the engine's tile mode the library'
 Triton kernel and an engine of the same depth are checked bitwise against each other.
 
     PYTHONPATH=src python3 benchmarks/bench_fc2_dgrad.py [--shapes a,b] [--rep-ms 100] [--depths ...] [--triton-bk ...]
-        [--regs] [--no-step] [--mainloop]
+        [--regs] [--no-step] [--mainloop] [--epi] [--rounds N]
 
 ``--mainloop`` also times g_z = dy @ W2 alone on the engine's plain GEMM: the promoted mainloop on
 ping-pong 64-row and cooperative 128-row tiles storing fp32 g_z (what FC2_DGRAD's fused epilogue
@@ -20,6 +20,20 @@ adds to each), and the unpromoted cooperative 128 × 256 bf16 GEMM (what promoti
 where F is a multiple of 128): staged through an fp32 shared tile, or in the accumulator's layout,
 each checked bitwise against the Triton kernel first. Without it each tile mode runs the library's
 choice (the register epilogue on cooperative tiles where it applies).
+
+``--epi`` also times cooperative tiles with the epilogue on a third, MMA-free warpgroup
+(``epilogue_warpgroup=True``, "gluon_epi"; the consumers keep one promoted product in flight and hand
+each tile's fp32 g_z over in shared memory), checked bitwise against the Triton kernel first, and the
+step with it as the library's default ("step_gluon_epi"). ``--rounds N`` times every path N times in
+turn and reports the median of the N medians.
+
+Prediction for the epilogue warpgroup, written before its first GPU run (% of a dense mm, against
+the library's cooperative choice on large experts and its ping-pong tiles on small ones, same run):
+the g_z mainloop alone runs 78-82 % on cooperative tiles at mixtral and deepseek-v3 and the fused
+kernel 61-71 %; with the epilogue (~9 µs a tile on 8 warps, ~15 µs on 4) behind a 30-55 µs
+mainloop, mixtral 61 → 72-78, deepseek-v3 63-71 → 72-78; qwen3 (K = 2048, a ~20 µs mainloop, the
+epilogue barely hidden) 41 → 45-52; gpt-oss (128 rows an expert: 128-row tiles half empty at
+ragged ends) 33-37 → 36-42. Step: mixtral -0.7 to -1.0 ms (of ~26), deepseek-v3 -0.1 to -0.3 ms.
 
 Prediction for the register epilogue, written before its first GPU run (H200, % of a dense mm):
 cooperative tiles, whose epilogue is exposed, mixtral 68 → ~78 and deepseek-v3 74 → ~82; ping-pong
@@ -58,7 +72,7 @@ def _dprobs_float64(dy, w2, h, splits, F):
 
 
 def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], regs: bool = False,
-                step_too: bool = True, mainloop: bool = False) -> dict:
+                step_too: bool = True, mainloop: bool = False, epi: bool = False, rounds: int = 1) -> dict:
     dev = torch.device("cuda")
     x, splits, probs, w1, w2, dy = routed_problem(shape, dev)
     M, H, F = shape.rows, shape.hidden, shape.ffn
@@ -81,11 +95,12 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], re
                                               z=z, h=h, dprobs_partials=True, config=config)  # fmt: skip
         return run
 
-    def engine_path(depth, cooperative, regs=None):
+    def engine_path(depth, cooperative, regs=None, epi=False):
         def run(g_h, z):
             return gluon.fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True,
                                    glu_interleave=F, activation_id=0, params=(0.0, 0.0, 0.0), promote_depth=depth,
-                                   cooperative=cooperative, register_epilogue=regs)  # fmt: skip
+                                   cooperative=cooperative, register_epilogue=regs,
+                                   epilogue_warpgroup=epi)  # fmt: skip
         return run
 
     def dprobs_of(part):
@@ -102,10 +117,13 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], re
             paths[label] = engine_path(gluon_launch.PROMOTE_DEPTH, coop, regs=False)
             if F % gluon_launch.BN == 0:
                 paths[f"{label}_regs"] = engine_path(gluon_launch.PROMOTE_DEPTH, coop, regs=True)
+    if epi:
+        paths["gluon_epi"] = engine_path(gluon_launch.PROMOTE_DEPTH, True, epi=True)
     paths.update({f"triton_bk{bk}": triton_path(bk) for bk in triton_bks})
     paths.update({f"gluon_d{d}": engine_path(d, False) for d in depths})
     depth_of = {"triton": default.BK, "gluon": gluon_launch.PROMOTE_DEPTH, "gluon_coop": gluon_launch.PROMOTE_DEPTH,
-                "gluon_regs": gluon_launch.PROMOTE_DEPTH, "gluon_coop_regs": gluon_launch.PROMOTE_DEPTH}
+                "gluon_regs": gluon_launch.PROMOTE_DEPTH, "gluon_coop_regs": gluon_launch.PROMOTE_DEPTH,
+                "gluon_epi": gluon_launch.PROMOTE_DEPTH}
     depth_of.update({f"triton_bk{bk}": bk for bk in triton_bks})
     depth_of.update({f"gluon_d{d}": d for d in depths})
     outs = {}
@@ -132,10 +150,15 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], re
     a = torch.randn(M, H, device=dev, dtype=x.dtype)
     b = torch.randn(H, F, device=dev, dtype=x.dtype)
     t_mm = time_ms(lambda: torch.mm(a, b), dev, rep_ms=rep_ms).median
-    for name, fn in paths.items():
-        t = time_ms(lambda fn=fn: dprobs_of(fn(g_h, z)), dev, rep_ms=rep_ms)
-        row[f"{name}_ms"] = t.median
-        row[f"{name}_pct_mm"] = 100.0 * t_mm / t.median
+    medians = {name: [] for name in paths}
+    for _ in range(rounds):  # each path in turn, so that a drift of the clocks touches every path alike
+        for name, fn in paths.items():
+            medians[name].append(time_ms(lambda fn=fn: dprobs_of(fn(g_h, z)), dev, rep_ms=rep_ms).median)
+    for name, ts in medians.items():
+        row[f"{name}_ms"] = sorted(ts)[len(ts) // 2]
+        row[f"{name}_pct_mm"] = 100.0 * t_mm / row[f"{name}_ms"]
+        if rounds > 1:
+            row[f"{name}_spread"] = (max(ts) - min(ts)) / row[f"{name}_ms"]
     if mainloop:  # the same g_z with no fused epilogue: what the epilogue costs on each tile mode
         g_z = torch.empty((M, F), dtype=torch.float32, device=dev)
         g_zb = torch.empty((M, F), dtype=x.dtype, device=dev)
@@ -157,12 +180,20 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], re
     def step():
         return torch.autograd.grad(grouped_mlp(x, splits, probs, w1, w2), leaves, dy)
 
-    for name, env in (("step_triton", "0"), ("step_gluon", "1")) if step_too else ():
-        os.environ["MOEMLP_GLUON"] = env
-        try:
-            row[f"{name}_ms"] = time_ms(step, dev, rep_ms=rep_ms).median
-        finally:
-            os.environ.pop("MOEMLP_GLUON")
+    steps = [("step_triton", "0", False), ("step_gluon", "1", False)] + ([("step_gluon_epi", "1", True)] if epi else [])
+    default_epi = gluon_launch.DGRAD_EPILOGUE_WARPGROUP
+    step_ms = {name: [] for name, _, _ in steps}
+    for _ in range(rounds if step_too else 0):
+        for name, env, with_epi in steps:
+            os.environ["MOEMLP_GLUON"] = env
+            gluon_launch.DGRAD_EPILOGUE_WARPGROUP = with_epi
+            try:
+                step_ms[name].append(time_ms(step, dev, rep_ms=rep_ms).median)
+            finally:
+                os.environ.pop("MOEMLP_GLUON")
+                gluon_launch.DGRAD_EPILOGUE_WARPGROUP = default_epi
+    for name, ts in step_ms.items() if step_too else ():
+        row[f"{name}_ms"] = sorted(ts)[len(ts) // 2]
     return row
 
 
@@ -174,6 +205,8 @@ def main() -> None:
     p.add_argument("--triton-bk", default="", help="Triton K steps to time beside the default")
     p.add_argument("--regs", action="store_true", help="also time the engine with the register epilogue")
     p.add_argument("--no-step", action="store_true", help="skip the forward + backward of grouped_mlp")
+    p.add_argument("--epi", action="store_true", help="also time cooperative tiles with the epilogue warpgroup")
+    p.add_argument("--rounds", type=int, default=1, help="time every path this many times in turn (median)")
     p.add_argument("--mainloop", action="store_true",
                    help="also time g_z alone: the promoted mainloop on each tile mode storing fp32 g_z, and "
                         "the unpromoted cooperative bf16 GEMM")
@@ -186,10 +219,11 @@ def main() -> None:
     rows = []
     for name in args.shapes.split(","):
         rows.append(bench_shape(GPU_SHAPES[name], args.rep_ms, depths, triton_bks, args.regs, not args.no_step,
-                                args.mainloop))
+                                args.mainloop, args.epi, max(1, args.rounds)))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
     names = (["triton", "gluon", "gluon_coop"] + (["gluon_regs", "gluon_coop_regs"] if args.regs else [])
+             + (["gluon_epi"] if args.epi else [])
              + [f"triton_bk{b}" for b in triton_bks] + [f"gluon_d{d}" for d in depths])
     print_table(rows, ["shape"] + [f"{n}_dprobs_err" for n in names],
                 "FC2_DGRAD: dprobs against float64 on the same h (SPEC §1: ≤ 1e-6)")
@@ -197,7 +231,8 @@ def main() -> None:
     print_table(rows, ["shape", "rows_per_expert"] + [f"{n}_pct_mm" for n in timed],
                 "FC2_DGRAD with its epilogue and the dprobs reduce, % of a dense torch.mm of the same FLOPs")
     if not args.no_step:
-        print_table(rows, ["shape", "step_triton_ms", "step_gluon_ms"], "forward + backward of grouped_mlp, median ms")
+        print_table(rows, ["shape", "step_triton_ms", "step_gluon_ms"] + (["step_gluon_epi_ms"] if args.epi else []),
+                    "forward + backward of grouped_mlp, median ms")
 
 
 if __name__ == "__main__":

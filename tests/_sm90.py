@@ -131,10 +131,11 @@ def check_products_in_flight(sass: str, op: str, per_step: int, chain: int, tail
     assert groups == 2 * one, groups
 
 
-def loop_local_accesses(sass: str) -> tuple[int, int]:
+def loop_local_accesses(sass: str, innermost: bool = False) -> tuple[int, int]:
     """(STL / LDL inside the K loops, STL / LDL anywhere). A loop is a backward branch's span of the
-    SASS; the K loops are those that issue wgmma and no TMA store (a tile loop holds the epilogue's
-    stores). The consumers' layout need not nest: a tile loop's head may follow its K loop."""
+    SASS within one partition; the K loops are those that issue wgmma and no TMA store (a tile loop
+    holds the epilogue's stores; ``innermost``: only those holding no other, where a tile loop has no
+    TMA store in it). The consumers' layout need not nest: a tile loop's head may follow its K loop."""
     import re
 
     ins = []
@@ -150,7 +151,13 @@ def loop_local_accesses(sass: str) -> tuple[int, int]:
     def spans(lo, hi, word):
         return any(lo <= a <= hi and word in t for a, t in ins)
 
-    k_loops = [(lo, hi) for lo, hi in loops if spans(lo, hi, "GMMA") and not spans(lo, hi, "UTMASTG")]
+    # A span across a partition's setmaxnreg is no loop: it is a wait's retry stub (placed after all
+    # the partitions) branching back into its partition.
+    k_loops = [(lo, hi) for lo, hi in loops
+               if spans(lo, hi, "GMMA") and not spans(lo, hi, "UTMASTG") and not spans(lo, hi, "USETMAXREG")]
+    if innermost:  # a tile loop with no TMA store in it holds its K loop: only the K loop counts
+        k_loops = [(lo, hi) for lo, hi in k_loops
+                   if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in k_loops)]
     local = [a for a, t in ins if re.search(r"\b(STL|LDL)\b", t)]
     in_loops = [a for a in local if any(lo <= a <= hi for lo, hi in k_loops)]
     assert len(k_loops) >= 2, "no K loop found for each consumer"

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from _sm90 import check_fp8_consumers, check_products_in_flight, compile_gluon_sm90
+from _sm90 import check_fp8_consumers, check_products_in_flight, compile_gluon_sm90, wgmma_groups
 from moemlp.activations import ACTIVATIONS
 from moemlp.kernels.gluon import _compat, _launch
 
@@ -17,9 +17,10 @@ needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks:
 
 
 def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str, a_parts: int = 1, scaled: bool = False,
-                  regs: bool = False):
+                  regs: bool = False, epi: bool = False):
     """Compiles the fused FC2_DGRAD for sm_90 without a GPU; returns (sass, -res-usage, shared bytes).
-    ``scaled``: fp8_block's kernel (e4m3 codes, 128-deep scaled steps, fp32 g_h and z)."""
+    ``scaled``: fp8_block's kernel (e4m3 codes, 128-deep scaled steps, fp32 g_h and z); ``epi``: the
+    epilogue warpgroup beside the cooperative consumers."""
     from moemlp.kernels.gluon import _engine, _fc2_dgrad
 
     gl = _compat.gl
@@ -34,7 +35,8 @@ def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str, a_parts: int = 1
     chain = 1 if scaled else _launch.PROMOTE_DEPTH // BK
     constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=_launch.STAGES, GROUP_M=_launch.GROUP_M, E_BLOCK=128,
                       B_KMAJOR=b_kmajor, CW=_launch.DGRAD_CW, G=G, CHAIN=chain, ACT=act, HAS_PROBS=True,
-                      STORE_Z=True, STORE_PARTIAL=True, A_PARTS=a_parts, SCALED=scaled, REGS=regs)  # fmt: skip
+                      STORE_Z=True, STORE_PARTIAL=True, A_PARTS=a_parts, SCALED=scaled, REGS=regs,
+                      EPI_WG=epi)  # fmt: skip
     out_desc = desc([BM, BN], "bf16", gl.bfloat16)
     sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN, BK] if b_kmajor else [BK, BN]), "h_desc": out_desc,
            "gh_desc": out_desc, "z_desc": out_desc, "h_ptr": "*bf16",
@@ -46,7 +48,7 @@ def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str, a_parts: int = 1
     sig.update({name: "constexpr" for name in constexprs})
     divisible = ("h_ptr", "gh_ptr", "z_ptr", "probs_ptr", "part_ptr", "splits_ptr", "N", "K", "N1")
     return compile_gluon_sm90(_fc2_dgrad.fc2_dgrad_kernel, sig, constexprs, divisible, _engine.NUM_WARPS,
-                              _engine.MAXNREG)
+                              _engine.EPI_MAXNREG if epi else _engine.MAXNREG)
 
 
 @needs_gluon
@@ -103,6 +105,43 @@ def test_offline_sm90_compile_register_epilogue(a_parts, act):
     stage = (a_parts * _launch.BM_PROMOTED + _launch.BN) * _launch.BK * 2
     tiles = 2 * 3 * _launch.BM_PROMOTED * _launch.BN * 2
     assert _launch.STAGES * stage + tiles <= shared <= 227 * 1024, shared
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "b_kmajor, G, act, spills",
+    [
+        pytest.param(False, 768, 0, False, id="swiglu-halves"),
+        # the clamped GLU: the epilogue warpgroup keeps a few loop-carried values in local memory,
+        # stored once and reloaded once a tile; nothing in the K loops
+        pytest.param(False, 768, 1, True, id="clamped-halves"),
+        pytest.param(True, 1, 1, True, id="clamped-interleaved-T"),  # gpt-oss: column by column, W2 transposed
+    ],
+)
+def test_offline_sm90_compile_epilogue_warpgroup(b_kmajor, G, act, spills):
+    """The epilogue warpgroup (EPI_WG): each consumer's promoted mainloop with one product in flight
+    (a chain of two steps, the first left in flight, the second waited for, and the tail's one-step
+    product), the registers moved to 152 a consumer, 168 for the epilogue warpgroup and 40 for the
+    producer, no spill in the K loops, and the ring plus two fp32 handoff tiles within 227 KiB."""
+    from _sm90 import loop_local_accesses
+    from moemlp.kernels.gluon import _engine
+
+    sass, usage, shared = _compile_sm90(b_kmajor, G, act, "fp32", 2, epi=True)
+    per_step = _launch.BK // 16
+    one = [(per_step, True, 1), (per_step, False, 0), (per_step, True, 0)]
+    assert wgmma_groups(sass, "HGMMA.64x128x16.F32.BF16") == 2 * one
+    consumer, epilogue = int(_engine.EPI_CONSUMER_REGS), int(_engine.EPI_REGS)
+    assert 2 * consumer + epilogue + int(_engine.PRODUCER_REGS) == 4 * _engine.EPI_MAXNREG
+    for regs in (consumer, epilogue):
+        assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, {regs:#x}\b", sass), regs
+    assert re.search(rf"USETMAXREG\.DEALLOC\.CTAPOOL {int(_engine.PRODUCER_REGS):#x}\b", sass)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    assert regs <= _engine.EPI_MAXNREG, usage
+    in_loops, local = loop_local_accesses(sass, innermost=True)
+    assert in_loops == 0, "registers spill inside the K loops"
+    assert local <= (48 if spills else 4), f"{local} local-memory accesses"
+    stage = (2 * _launch.BM_PROMOTED + _launch.BN) * _launch.BK * 2
+    assert _launch.STAGES * stage + 2 * _launch.BM_PROMOTED * _launch.BN * 4 <= shared <= 227 * 1024, shared
 
 
 @needs_gluon
@@ -178,12 +217,22 @@ def _dprobs_float64(dy, w2, h, splits, F, G, activation, params):
     return (g_z * a).sum(1)[:routed], routed
 
 
+# (cooperative tiles, epilogue): staged through an fp32 shared tile, in the accumulator's layout, or
+# on the epilogue warpgroup (cooperative tiles only)
+MODES = [
+    pytest.param(False, "staged", id="pingpong-staged"),
+    pytest.param(False, "regs", id="pingpong-regs"),
+    pytest.param(True, "staged", id="cooperative-staged"),
+    pytest.param(True, "regs", id="cooperative-regs"),
+    pytest.param(True, "warpgroup", id="cooperative-warpgroup"),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("regs", [False, True], ids=["staged", "regs"])
-@pytest.mark.parametrize("cooperative", [False, True], ids=["pingpong", "cooperative"])
+@pytest.mark.parametrize("cooperative, epilogue", MODES)
 @pytest.mark.parametrize("splits_list, M, H, F, activation, params, G, transposed, probs_dtype, store_z", CASES)
 def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, probs_dtype, store_z, cooperative,
-                       regs, engine_runs):
+                       epilogue, engine_runs):
     from moemlp._config import MLPConfig
     from moemlp.kernels import operands
     from moemlp.kernels.gemm import launch
@@ -193,7 +242,7 @@ def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, 
     dev = "cuda"
     E = len(splits_list)
     G = G or F
-    if regs and G % _launch.BN:
+    if epilogue == "regs" and G % _launch.BN:
         pytest.skip("the register epilogue takes G a multiple of 128")
     spec = ACTIVATIONS[activation]
     dy = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
@@ -206,13 +255,13 @@ def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, 
     assert fc2_dgrad_supports(dy, w2, h, spec.kernel_id, True) == ""
     pp = tuple(params) + (0.0,) * (3 - len(params))
 
-    def engine(cooperative=cooperative):
+    def engine(cooperative=cooperative, epilogue=epilogue):
         g_h = torch.full((M, 2 * F), float("nan"), device=dev, dtype=torch.bfloat16)
         z = torch.full((M, F), float("nan"), device=dev, dtype=torch.bfloat16) if store_z else None
-        # the epilogue in the accumulator's layout, or staged through an fp32 shared tile
         part = fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True, glu_interleave=G,
                          activation_id=spec.kernel_id, params=pp, cooperative=cooperative,
-                         register_epilogue=regs)  # fmt: skip
+                         register_epilogue=epilogue == "regs",
+                         epilogue_warpgroup=epilogue == "warpgroup")  # fmt: skip
         return g_h, z, part
 
     def dprobs_of(part):
@@ -250,14 +299,15 @@ def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, 
         assert err <= bound, (err, err_t)
     assert torch.equal(engine()[2], part), "two runs on the same inputs give different dprobs partials"
     if cooperative:  # the same 64-column chunks of the same products: the ping-pong kernel's partials
-        assert torch.equal(engine(False)[2], part), "the cooperative tiles' dprobs partials differ from ping-pong's"
+        same = engine(False, "staged" if epilogue == "warpgroup" else epilogue)[2]
+        assert torch.equal(same, part), "the cooperative tiles' dprobs partials differ from ping-pong's"
 
 
-@pytest.mark.parametrize("name", ["cooperative", "register_epilogue"])
+@pytest.mark.parametrize("name", ["cooperative", "register_epilogue", "epilogue_warpgroup"])
 @pytest.mark.parametrize("value", [1, "yes"])
 def test_tile_and_epilogue_choices_are_checked(name, value):
-    """cooperative and register_epilogue are True, False or None (the launcher's choice): anything
-    else is refused by name."""
+    """cooperative, register_epilogue and epilogue_warpgroup are True, False or None (the launcher's
+    choice): anything else is refused by name."""
     from moemlp.kernels.gluon import fc2_dgrad
 
     t = torch.zeros(64, 64, dtype=torch.bfloat16)
@@ -285,3 +335,35 @@ def test_register_epilogue_asked_where_it_cannot_run(G, dtype, words):
         fc2_dgrad(dy, torch.zeros(1, 64, 128, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32), h,
                   torch.zeros_like(h), z=None, probs=None, dprobs_partials=False, glu_interleave=G, activation_id=0,
                   params=(0.0, 0.0, 0.0), register_epilogue=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        pytest.param(dict(cooperative=False), "cooperative=False", id="pingpong"),
+        pytest.param(dict(register_epilogue=True), "register_epilogue=True", id="register-epilogue"),
+        pytest.param(dict(cooperative=False, register_epilogue=True), "cooperative=False and register_epilogue=True",
+                     id="both"),
+    ],
+)
+def test_epilogue_warpgroup_asked_where_it_cannot_run(kwargs, words):
+    """epilogue_warpgroup=True runs the staged epilogue on cooperative tiles: asked beside ping-pong
+    tiles or the register epilogue, it is a ValueError naming the clash, raised before any launch."""
+    from moemlp.kernels.gluon import fc2_dgrad
+
+    t = torch.zeros(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"epilogue warpgroup .* cannot run with {words}$"):
+        fc2_dgrad(t, t.view(1, 64, 64), torch.zeros(1, dtype=torch.int32), t, t, z=None, probs=None,
+                  dprobs_partials=False, glu_interleave=32, activation_id=0, params=(0.0, 0.0, 0.0),
+                  epilogue_warpgroup=True, **kwargs)  # fmt: skip
+
+
+def test_epilogue_warpgroup_refused_under_fp8_block():
+    from moemlp.kernels.gluon import fc2_dgrad
+
+    t = torch.zeros(64, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="epilogue warpgroup .* cannot run with fp8_block"):
+        fc2_dgrad(t, t.view(1, 64, 128).transpose(1, 2).contiguous().transpose(1, 2), torch.zeros(1, dtype=torch.int32),
+                  t, t, z=None, probs=None, dprobs_partials=False, glu_interleave=64, activation_id=0,
+                  params=(0.0, 0.0, 0.0), epilogue_warpgroup=True, dy_scale=torch.ones(64, 1),
+                  w2_scale=torch.ones(1, 1, 1))  # fmt: skip

@@ -71,6 +71,13 @@ MAXNREG = 168
 CONSUMER_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)
 NUM_WARPS = 4
+# FC2_DGRAD with an epilogue-only warpgroup (_fc2_dgrad.EPI_WG): 16 warps (4 + 4 + 4 + 1, padded)
+# at 128 registers each at launch; consumers 152 (a promoted total and one product in flight, 2 × 64),
+# the epilogue warpgroup 168 (a 64-column chunk of the staged epilogue: at 136 it spilled inside
+# its tile loop), the producer 40: 152 + 152 + 168 + 40 = 4 × 128.
+EPI_MAXNREG = 128
+EPI_CONSUMER_REGS = gl.constexpr(152)
+EPI_REGS = gl.constexpr(168)
 
 
 @gluon.jit
@@ -274,6 +281,46 @@ def _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl
         last = warpgroup_mma_wait(0, deps=(pending,))
         mbarrier.arrive(empty.index(s))
         total += last
+        it += 1
+    return total, it
+
+
+@gluon.jit
+def _mainloop_promoted_single(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl.constexpr,
+                              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr,
+                              CHAIN: gl.constexpr, A_PARTS: gl.constexpr, PART: gl.constexpr):
+    """``_mainloop_promoted`` with one product in flight: each CHAIN-step product is waited for and
+    added to the total before the next one is issued. The same products added in the same order, so
+    the same total bit for bit, in 2 × 64 registers at BM = 64 instead of 3 × 64: what a consumer
+    fits in beside a third, epilogue-only warpgroup (FC2_DGRAD's ``EPI_WG``). On cooperative tiles
+    the other consumer's wgmma fill this one's waits (two in flight measured level there)."""
+    total = gl.zeros([BM, BN], gl.float32, acc_layout)
+    part = gl.zeros([BM, BN], gl.float32, acc_layout)
+    # Whole chains, unrolled: each wait sits in straight-line code after its wgmma (a wait in one arm
+    # of a runtime branch made ptxas serialize every wgmma).
+    for _ in range(k_steps // CHAIN):
+        for i in gl.static_range(CHAIN):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            part = warpgroup_mma(a_ring.index(s * A_PARTS + PART), _b_operand(b_ring, s, B_KMAJOR), part,
+                                 use_acc=i > 0, is_async=True)
+            if i < CHAIN - 1:
+                part = warpgroup_mma_wait(1, deps=(part,))
+            else:
+                part = warpgroup_mma_wait(0, deps=(part,))
+            if i > 0:  # the chain's previous step has read its stage
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            it += 1
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))  # the chain's last stage
+        total += part
+    for _ in range(k_steps % CHAIN):  # as _mainloop_promoted's tail: one-step products
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        part = warpgroup_mma(a_ring.index(s * A_PARTS + PART), _b_operand(b_ring, s, B_KMAJOR), part,
+                             use_acc=False, is_async=True)
+        part = warpgroup_mma_wait(0, deps=(part,))
+        mbarrier.arrive(empty.index(s))
+        total += part
         it += 1
     return total, it
 

@@ -52,10 +52,15 @@ from ._compat import (
 )
 from ._engine import (
     CONSUMER_REGS,
+    EPI_CONSUMER_REGS,
+    EPI_REGS,
     PRODUCER_REGS,
+    _expert_table,
     _glu_rows,
+    _mainloop_promoted_single,
     _producer,
     _ring,
+    _tile_coords,
     _tile_loop,
 )
 from ._fc1 import _store_h_z
@@ -306,6 +311,67 @@ def _consumer(a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, pro
 
 
 @gluon.jit
+def _handoff_consumer(a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr,
+                      E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles, g_full, g_empty, ready, empty,
+                      WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                      GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, CW: gl.constexpr,
+                      G: gl.constexpr, CHAIN: gl.constexpr, ACT: gl.constexpr, HAS_PROBS: gl.constexpr,
+                      STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
+    """EPI_WG: consumer warpgroup WG of the cooperative tiles. It runs only mainloops: each real
+    tile's fp32 g_z (its 64 rows) goes to its shared tile once the epilogue warpgroup has read the
+    previous one (``g_empty``), and ``g_full`` (both consumers) hands it over. It needs no tile's
+    coordinates, only how many real tiles this CTA takes: they come first in its tile order."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    n_tiles = gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    real_tiles = _expert_table(splits_ptr, E, M, n_tiles, 2 * BM, E_BLOCK, 4)[4]
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    g_smem = g_tiles.index(WG)
+    for j in range(gl.cdiv(gl.maximum(real_tiles - pid, 0), nprog)):
+        acc, it = _mainloop_promoted_single(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM,
+                                            BN, STAGES, B_KMAJOR, CHAIN, 2, WG)
+        mbarrier.wait(g_empty, (j & 1) ^ 1)  # a fresh mbarrier passes parity 1: the first tile waits for nothing
+        g_smem.store(acc)
+        mbarrier.arrive(g_full)  # (an arrive is one thread's, after the warpgroup's barrier)
+
+
+@gluon.jit
+def _epilogue_partition(a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr,
+                        splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles, g_full, g_empty, ready,
+                        empty, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr,
+                        CW: gl.constexpr, G: gl.constexpr, CHAIN: gl.constexpr, ACT: gl.constexpr,
+                        HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
+    """EPI_WG: the epilogue warpgroup, which issues no MMA. It walks the CTA's tiles as the consumers
+    do; for a real tile it waits for both halves of g_z (``g_full``), runs the staged ``_epilogue`` on
+    each, and hands the tiles back (``g_empty``), so a tile's epilogue runs while the consumers'
+    wgmma work on the next tile. Capacity tiles get their zeros here, with no mainloop."""
+    TILE_M: gl.constexpr = 2 * BM
+    n_tiles = gl.cdiv(N, BN)
+    idx, starts, ends, tile_ends, real_tiles, routed = _expert_table(splits_ptr, E, M, n_tiles, TILE_M, E_BLOCK, 4)
+    cap_tiles = gl.cdiv(M - routed, TILE_M) * n_tiles
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    for j in range(gl.cdiv(gl.maximum(real_tiles + cap_tiles - pid, 0), nprog)):
+        t = pid + j * nprog
+        if t < real_tiles:
+            e, m0, n0, row_end = _tile_coords(t, idx, starts, ends, tile_ends, n_tiles, TILE_M, BN, GROUP_M)
+            mbarrier.wait(g_full, j & 1)
+            for half in gl.static_range(2):
+                _epilogue(g_tiles.index(half), h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, m0 + half * BM, n0,
+                          row_end, M, N, N1, p0, p1, p2, BM, BN, CW, G, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)
+            mbarrier.arrive(g_empty)
+        else:
+            cap = t - real_tiles
+            m0 = routed + (cap // n_tiles) * TILE_M
+            for half in gl.static_range(2):
+                _zeros(gh_ptr, z_ptr, part_ptr, m0 + half * BM, (cap % n_tiles) * BN, M, N, N1, BM, BN, CW, G,
+                       STORE_Z, STORE_PARTIAL)
+
+
+@gluon.jit
 def fc2_dgrad_kernel(
     a_desc,  # dy (M, H) bf16, or its e4m3 codes (SCALED), rows grouped by expert; block [BM, BK]
     # W2: B_KMAJOR (E·F, H) (a transposed-layout weight, or W2's K-major codes), block [BN, BK];
@@ -354,38 +420,67 @@ def fc2_dgrad_kernel(
     A_PARTS: gl.constexpr,  # 1: ping-pong BM-row tiles; 2: cooperative 2·BM-row tiles (_engine._tile_loop)
     SCALED: gl.constexpr,  # fp8_block: e4m3 operands, each 128-deep product scaled into g_z (_mainloop_scaled)
     REGS: gl.constexpr,  # the epilogue in the accumulator's layout (_regs_epilogue): bf16, G a multiple of BN
+    # an epilogue-only warpgroup beside the two consumers of cooperative tiles (bf16, staged epilogue):
+    # launched with 16 warps and EPI_MAXNREG (_handoff_consumer, _epilogue_partition)
+    EPI_WG: gl.constexpr,
 ):
     gl.static_assert(not (REGS and SCALED), "the register epilogue is bf16's")
     a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR, A_PARTS)
-    if REGS:
-        gl.static_assert(G % BN == 0, "a tile's gates in one G block")
-        # Each consumer's h gate and up tiles (2·WG, 2·WG + 1; g_h's after), and its z tile (WG).
-        hg_tiles = gl.allocate_shared_memory(h_desc.dtype, [4, BM, BN], h_desc.layout)
-        z_tiles = gl.allocate_shared_memory(z_desc.dtype, [2, BM, BN], z_desc.layout)
-        g_tiles = z_tiles  # unused
-        h_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for w in gl.static_range(2):
-            mbarrier.init(h_bars.index(w), count=1)
+    if EPI_WG:
+        gl.static_assert(A_PARTS == 2 and not SCALED and not REGS, "the epilogue warpgroup: cooperative bf16, staged")
+        g_layout_e: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
+        g_tiles_e = gl.allocate_shared_memory(gl.float32, [2, BM, BN], g_layout_e)
+        g_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        g_full = g_bars.index(0)
+        g_empty = g_bars.index(1)
+        mbarrier.init(g_full, count=2)  # both consumers' halves
+        mbarrier.init(g_empty, count=1)
+        warp_specialize([
+            (_handoff_consumer, (a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr,
+                                 splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles_e, g_full, g_empty,
+                                 ready, empty, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G, CHAIN, ACT,
+                                 HAS_PROBS, STORE_Z, STORE_PARTIAL)),
+            (_handoff_consumer, (a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr,
+                                 splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles_e, g_full, g_empty,
+                                 ready, empty, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G, CHAIN, ACT,
+                                 HAS_PROBS, STORE_Z, STORE_PARTIAL)),
+            (_epilogue_partition, (a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr,
+                                   part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles_e, g_full,
+                                   g_empty, ready, empty, 2, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G,
+                                   CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
+            (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
+                         GROUP_M, E_BLOCK, B_KMAJOR, A_PARTS, 1, 1, N)),
+        ], [4, 4, 1], [EPI_CONSUMER_REGS, EPI_REGS, PRODUCER_REGS])
     else:
-        g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
-        g_tiles = gl.allocate_shared_memory(gl.float32, [2, BM, BN], g_layout)
-        hg_tiles = g_tiles  # unused, as are the two below
-        z_tiles = g_tiles
-        h_bars = g_tiles
+        if REGS:
+            gl.static_assert(G % BN == 0, "a tile's gates in one G block")
+            # Each consumer's h gate and up tiles (2·WG, 2·WG + 1; g_h's after), and its z tile (WG).
+            hg_tiles = gl.allocate_shared_memory(h_desc.dtype, [4, BM, BN], h_desc.layout)
+            z_tiles = gl.allocate_shared_memory(z_desc.dtype, [2, BM, BN], z_desc.layout)
+            g_tiles = z_tiles  # unused
+            h_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for w in gl.static_range(2):
+                mbarrier.init(h_bars.index(w), count=1)
+        else:
+            g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
+            g_tiles = gl.allocate_shared_memory(gl.float32, [2, BM, BN], g_layout)
+            hg_tiles = g_tiles  # unused, as are the two below
+            z_tiles = g_tiles
+            h_bars = g_tiles
 
-    # The argument tuples are written out in the call: a tuple bound to a name first would turn its
-    # constexprs into runtime values.
-    warp_specialize([
-        (_consumer, (a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, a_scale_ptr,
-                     stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K,
-                     N1, p0, p1, p2, a_ring, b_ring, g_tiles, hg_tiles, z_tiles, h_bars, ready, empty, turn, 0, BM, BN,
-                     BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL,
-                     A_PARTS, SCALED, REGS)),
-        (_consumer, (a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, a_scale_ptr,
-                     stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K,
-                     N1, p0, p1, p2, a_ring, b_ring, g_tiles, hg_tiles, z_tiles, h_bars, ready, empty, turn, 1, BM, BN,
-                     BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL,
-                     A_PARTS, SCALED, REGS)),
-        (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
-                     GROUP_M, E_BLOCK, B_KMAJOR, A_PARTS, 1, 1, N)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        # The argument tuples are written out in the call: a tuple bound to a name first would turn
+        # its constexprs into runtime values.
+        warp_specialize([
+            (_consumer, (a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr,
+                         a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk,
+                         splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles, hg_tiles, z_tiles, h_bars,
+                         ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G, CHAIN, ACT,
+                         HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS, SCALED, REGS)),
+            (_consumer, (a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr,
+                         a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk,
+                         splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles, hg_tiles, z_tiles, h_bars,
+                         ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G, CHAIN, ACT,
+                         HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS, SCALED, REGS)),
+            (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
+                         GROUP_M, E_BLOCK, B_KMAJOR, A_PARTS, 1, 1, N)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

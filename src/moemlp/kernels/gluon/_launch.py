@@ -263,6 +263,9 @@ DGRAD_CW = 64
 # this many rows, else 64-row tiles in ping-pong, where half of a 128-row tile over a small expert would
 # be empty (docs/DECISIONS.md, "Cooperative 128-row tiles for FC2_DGRAD on large experts").
 DGRAD_COOPERATIVE_ROWS = 1024
+# FC2_DGRAD's default for ``epilogue_warpgroup`` (bf16): cooperative tiles at every expert size, the
+# epilogue on a third warpgroup (_fc2_dgrad.EPI_WG). Off until measured.
+DGRAD_EPILOGUE_WARPGROUP = False
 # The GLU kinds the fused epilogue implements (ActivationSpec.kernel_id): swiglu, clamped_swiglu.
 DGRAD_ACTIVATIONS = (0, 1)
 
@@ -348,6 +351,7 @@ def fc2_dgrad(
     promote_depth: int = PROMOTE_DEPTH,
     cooperative: bool | None = None,
     register_epilogue: bool | None = None,
+    epilogue_warpgroup: bool | None = None,
     dy_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
@@ -361,7 +365,11 @@ def fc2_dgrad(
     accumulator's layout (True; a ValueError where it cannot take these tensors) or staged through an
     fp32 shared tile (False), the same g_h and z bits, the dprobs partials summed in another order;
     None: in the accumulator's layout on cooperative tiles where it applies, staged otherwise
-    (docs/DECISIONS.md, "FC2_DGRAD's epilogue in the accumulator's layout").
+    (docs/DECISIONS.md, "FC2_DGRAD's epilogue in the accumulator's layout"). ``epilogue_warpgroup``:
+    cooperative tiles whose two consumers run only mainloops and hand each tile's fp32 g_z to a third
+    warpgroup that runs the staged epilogue meanwhile (bf16 only; True with fp8_block, with
+    ``cooperative=False`` or with ``register_epilogue=True`` is a ValueError); the same g_h and z bits
+    and the staged epilogue's partials; None: ``DGRAD_EPILOGUE_WARPGROUP``.
 
     fp8_block (``dy_scale`` and ``w2_scale`` given): dy holds e4m3 codes with dy_scale (M, ⌈H/128⌉)
     fp32 their 1×128 scales, w2 the transposed view of W2's K-major codes (E, F, H) with w2_scale
@@ -369,11 +377,12 @@ def fc2_dgrad(
     scaled into g_z (``promote_depth`` is not read), and g_h and z may be fp32. The caller checked
     ``fc2_dgrad_supports`` (bf16) or ``fc2_dgrad_fp8_supports``."""
     from ._compat import TensorDescriptor
-    from ._engine import MAXNREG, NUM_WARPS
+    from ._engine import EPI_MAXNREG, MAXNREG, NUM_WARPS
     from ._fc2_dgrad import fc2_dgrad_kernel
 
     _check_depth("fc2_dgrad", "promote_depth", promote_depth, zero_ok=False)
-    for name, flag in (("cooperative", cooperative), ("register_epilogue", register_epilogue)):
+    for name, flag in (("cooperative", cooperative), ("register_epilogue", register_epilogue),
+                       ("epilogue_warpgroup", epilogue_warpgroup)):
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"fc2_dgrad: {name} must be a bool or None, got {type(flag).__name__}")
     scaled = dy_scale is not None
@@ -388,6 +397,17 @@ def fc2_dgrad(
         if tuple(dy_scale.shape) != (M, kb) or tuple(w2_scale.shape) != (E, nb, kb):
             raise ValueError(f"fc2_dgrad: dy_scale must be ({M}, {kb}) and w2_scale ({E}, {nb}, {kb}), got "
                              f"{tuple(dy_scale.shape)} and {tuple(w2_scale.shape)}")  # fmt: skip
+    if epilogue_warpgroup:
+        clash = [why for why, bad in (("fp8_block", scaled), ("cooperative=False", cooperative is False),
+                                      ("register_epilogue=True", register_epilogue is True)) if bad]
+        if clash:
+            raise ValueError(f"fc2_dgrad: the epilogue warpgroup (bf16, cooperative tiles, staged epilogue) "
+                             f"cannot run with {' and '.join(clash)}")
+    elif epilogue_warpgroup is None:
+        epilogue_warpgroup = (DGRAD_EPILOGUE_WARPGROUP and not scaled and cooperative is not False
+                              and register_epilogue is not True)
+    if epilogue_warpgroup:
+        cooperative, register_epilogue = True, False
     if cooperative is None:
         cooperative = M >= DGRAD_COOPERATIVE_ROWS * E
     why_not_regs = _register_epilogue_why(h, g_h, z, glu_interleave, scaled)
@@ -443,7 +463,8 @@ def fc2_dgrad(
             BM=bm, BN=BN, BK=bk, STAGES=STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor, CW=DGRAD_CW,
             G=glu_interleave, CHAIN=1 if scaled else promote_depth // BK, ACT=activation_id,
             HAS_PROBS=probs is not None, STORE_Z=z is not None, STORE_PARTIAL=partial is not None, A_PARTS=a_parts,
-            SCALED=scaled, REGS=regs, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+            SCALED=scaled, REGS=regs, EPI_WG=epilogue_warpgroup, num_warps=NUM_WARPS,
+            maxnreg=EPI_MAXNREG if epilogue_warpgroup else MAXNREG,
         )  # fmt: skip
     return partial
 
