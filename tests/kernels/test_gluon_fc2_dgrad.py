@@ -139,7 +139,11 @@ def test_offline_sm90_compile_epilogue_warpgroup(b_kmajor, G, act, spills):
     assert regs <= _engine.EPI_MAXNREG, usage
     in_loops, local = loop_local_accesses(sass, innermost=True)
     assert in_loops == 0, "registers spill inside the K loops"
-    assert local <= (48 if spills else 4), f"{local} local-memory accesses"
+    # Outside the K loops: triton 3.9 keeps 0 local-memory accesses with swiglu and ~40 with the
+    # clamped GLU (values stored once, reloaded once a tile by the epilogue warpgroup); triton 3.6's
+    # ptxas 6 and 86 (seen on the GPU machine). The bound catches a kernel that spills its epilogue
+    # wholesale (a 64-column chunk is 96 values a thread).
+    assert local <= (96 if spills else 8), f"{local} local-memory accesses"
     stage = (2 * _launch.BM_PROMOTED + _launch.BN) * _launch.BK * 2
     assert _launch.STAGES * stage + 2 * _launch.BM_PROMOTED * _launch.BN * 4 <= shared <= 227 * 1024, shared
 
