@@ -271,16 +271,24 @@ def _mainloop_promoted(a_ring, b_ring, ready, empty, it, k_steps, acc_layout: gl
         last = warpgroup_mma_wait(0, deps=(odd,))
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=it > start)
     total += last
-    # The last k_steps % CHAIN steps, each its own product (what a CHAIN·BK-deep step of a kernel
-    # whose K ends mid-step computes: the missing products are exact zeros).
+    return _promoted_tail(a_ring, b_ring, ready, empty, it, k_steps, last, total, STAGES, B_KMAJOR, CHAIN, A_PARTS,
+                          PART)
+
+
+@gluon.jit
+def _promoted_tail(a_ring, b_ring, ready, empty, it, k_steps, part, total, STAGES: gl.constexpr,
+                   B_KMAJOR: gl.constexpr, CHAIN: gl.constexpr, A_PARTS: gl.constexpr, PART: gl.constexpr):
+    """The last k_steps % CHAIN steps of a promoted K loop, each its own product added to ``total``
+    (what a CHAIN·BK-deep step of a kernel whose K ends mid-step computes: the missing products are
+    exact zeros). ``part``: a free accumulator (its registers are overwritten). Returns (total, it)."""
     for _ in range(k_steps % CHAIN):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        pending = warpgroup_mma(a_ring.index(s * A_PARTS + PART), _b_operand(b_ring, s, B_KMAJOR), last,
+        pending = warpgroup_mma(a_ring.index(s * A_PARTS + PART), _b_operand(b_ring, s, B_KMAJOR), part,
                                 use_acc=False, is_async=True)
-        last = warpgroup_mma_wait(0, deps=(pending,))
+        part = warpgroup_mma_wait(0, deps=(pending,))
         mbarrier.arrive(empty.index(s))
-        total += last
+        total += part
         it += 1
     return total, it
 
@@ -313,16 +321,8 @@ def _mainloop_promoted_single(a_ring, b_ring, ready, empty, it, k_steps, acc_lay
             it += 1
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))  # the chain's last stage
         total += part
-    for _ in range(k_steps % CHAIN):  # as _mainloop_promoted's tail: one-step products
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        part = warpgroup_mma(a_ring.index(s * A_PARTS + PART), _b_operand(b_ring, s, B_KMAJOR), part,
-                             use_acc=False, is_async=True)
-        part = warpgroup_mma_wait(0, deps=(part,))
-        mbarrier.arrive(empty.index(s))
-        total += part
-        it += 1
-    return total, it
+    return _promoted_tail(a_ring, b_ring, ready, empty, it, k_steps, part, total, STAGES, B_KMAJOR, CHAIN, A_PARTS,
+                          PART)
 
 
 # What ``b_s_ptr`` / ``b_s_off`` of the scaled mainloop address: one B scale a tile (FC2_DGRAD,
