@@ -264,7 +264,9 @@ DGRAD_CW = 64
 # be empty (docs/DECISIONS.md, "Cooperative 128-row tiles for FC2_DGRAD on large experts").
 DGRAD_COOPERATIVE_ROWS = 1024
 # FC2_DGRAD's default for ``epilogue_warpgroup`` (bf16): cooperative tiles at every expert size, the
-# epilogue on a third warpgroup (_fc2_dgrad.EPI_WG). Off until measured.
+# epilogue on a third warpgroup (_fc2_dgrad.EPI_WG). Off: faster alone at mixtral (1.06x) and gpt-oss
+# (1.15x), level at deepseek-v3, 0.85x qwen3's ping-pong, and no step beyond its noise (docs/DECISIONS.md,
+# "FC2_DGRAD's epilogue on a third, MMA-free warpgroup").
 DGRAD_EPILOGUE_WARPGROUP = False
 # The GLU kinds the fused epilogue implements (ActivationSpec.kernel_id): swiglu, clamped_swiglu.
 DGRAD_ACTIVATIONS = (0, 1)
