@@ -311,12 +311,9 @@ def _consumer(a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, pro
 
 
 @gluon.jit
-def _handoff_consumer(a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr,
-                      E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles, g_full, g_empty, ready, empty,
-                      WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                      GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, CW: gl.constexpr,
-                      G: gl.constexpr, CHAIN: gl.constexpr, ACT: gl.constexpr, HAS_PROBS: gl.constexpr,
-                      STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
+def _handoff_consumer(splits_ptr, E, M, N, K, a_ring, b_ring, g_tiles, g_full, g_empty, ready, empty, WG: gl.constexpr,
+                      BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                      E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, CHAIN: gl.constexpr):
     """EPI_WG: consumer warpgroup WG of the cooperative tiles. It runs only mainloops: each real
     tile's fp32 g_z (its 64 rows) goes to its shared tile once the epilogue warpgroup has read the
     previous one (``g_empty``), and ``g_full`` (both consumers) hands it over. It needs no tile's
@@ -338,11 +335,9 @@ def _handoff_consumer(a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_
 
 
 @gluon.jit
-def _epilogue_partition(a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr,
-                        splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles, g_full, g_empty, ready,
-                        empty, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr,
-                        CW: gl.constexpr, G: gl.constexpr, CHAIN: gl.constexpr, ACT: gl.constexpr,
+def _epilogue_partition(h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, N1, p0, p1, p2, g_tiles,
+                        g_full, g_empty, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr,
+                        E_BLOCK: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr,
                         HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr):
     """EPI_WG: the epilogue warpgroup, which issues no MMA. It walks the CTA's tiles as the consumers
     do; for a real tile it waits for both halves of g_z (``g_full``), runs the staged ``_epilogue`` on
@@ -436,18 +431,13 @@ def fc2_dgrad_kernel(
         mbarrier.init(g_full, count=2)  # both consumers' halves
         mbarrier.init(g_empty, count=1)
         warp_specialize([
-            (_handoff_consumer, (a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr,
-                                 splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles_e, g_full, g_empty,
-                                 ready, empty, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G, CHAIN, ACT,
-                                 HAS_PROBS, STORE_Z, STORE_PARTIAL)),
-            (_handoff_consumer, (a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr,
-                                 splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles_e, g_full, g_empty,
-                                 ready, empty, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G, CHAIN, ACT,
-                                 HAS_PROBS, STORE_Z, STORE_PARTIAL)),
-            (_epilogue_partition, (a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr,
-                                   part_ptr, splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles_e, g_full,
-                                   g_empty, ready, empty, 2, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G,
-                                   CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL)),
+            (_handoff_consumer, (splits_ptr, E, M, N, K, a_ring, b_ring, g_tiles_e, g_full, g_empty, ready, empty, 0,
+                                 BM, BN, BK, STAGES, E_BLOCK, B_KMAJOR, CHAIN)),
+            (_handoff_consumer, (splits_ptr, E, M, N, K, a_ring, b_ring, g_tiles_e, g_full, g_empty, ready, empty, 1,
+                                 BM, BN, BK, STAGES, E_BLOCK, B_KMAJOR, CHAIN)),
+            (_epilogue_partition, (h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, N1, p0, p1, p2,
+                                   g_tiles_e, g_full, g_empty, BM, BN, GROUP_M, E_BLOCK, CW, G, ACT, HAS_PROBS,
+                                   STORE_Z, STORE_PARTIAL)),
             (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                          GROUP_M, E_BLOCK, B_KMAJOR, A_PARTS, 1, 1, N)),
         ], [4, 4, 1], [EPI_CONSUMER_REGS, EPI_REGS, PRODUCER_REGS])
