@@ -34,6 +34,8 @@ kernel 61-71 %; with the epilogue (~9 µs a tile on 8 warps, ~15 µs on 4) behin
 mainloop, mixtral 61 → 72-78, deepseek-v3 63-71 → 72-78; qwen3 (K = 2048, a ~20 µs mainloop, the
 epilogue barely hidden) 41 → 45-52; gpt-oss (128 rows an expert: 128-row tiles half empty at
 ragged ends) 33-37 → 36-42. Step: mixtral -0.7 to -1.0 ms (of ~26), deepseek-v3 -0.1 to -0.3 ms.
+Measured (H100, against the best other mode): mixtral 67.8 → 71.8, deepseek-v3 64.9 → 65.9, qwen3
+38.5 → 32.6, gpt-oss 32.2 → 37.0; no step beyond its noise (docs/DECISIONS.md).
 
 Prediction for the register epilogue, written before its first GPU run (H200, % of a dense mm):
 cooperative tiles, whose epilogue is exposed, mixtral 68 → ~78 and deepseek-v3 74 → ~82; ping-pong
