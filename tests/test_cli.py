@@ -119,6 +119,22 @@ def test_bench_parts_needs_the_triton_backend(tmp_path, monkeypatch, recipes):
         main(["bench", "--parts", *recipes, "--device", "cpu", "--shape", "cpu-fine", "--out", str(tmp_path)])
 
 
+def test_parts_min_bytes():
+    """The parts table's memory bound counts each operand once, each output once and every expert's
+    weights: at gpt-oss's shape FC1's weights are 4.25 of its 4.62 GB."""
+    from moemlp.bench.parts import GEMMS, min_bytes
+
+    M, H, F, E = 16384, 2880, 2880, 128
+    assert min_bytes("fc1", M, H, F, E) == 2 * (M * H + E * 2 * F * H + M * 2 * F + M * F) + 4 * M
+    assert min_bytes("fc1", M, H, F, E) == 4_624_285_696
+    assert min_bytes("fc2_dgrad", M, H, F, E) == 2 * (M * H + E * H * F + 4 * M * F + M * F) + 8 * M
+    assert min_bytes("fc2_dgrad", M, H, F, E, probs=False) == 2 * (M * H + E * H * F + 5 * M * F)
+    assert min_bytes("fc1_wgrad", 8, 4, 2, 3, elem=4) == 4 * (8 * 4 + 8 * 4 + 3 * 4 * 4)
+    assert [min_bytes(g, 1, 1, 1, 1) > 0 for g in GEMMS] == [True] * 6
+    with pytest.raises(ValueError, match="unknown GEMM 'fc3'"):
+        min_bytes("fc3", M, H, F, E)
+
+
 @pytest.mark.gpu
 def test_bench_parts_gpu(tmp_path, capsys):
     assert main(["bench", "--parts", "--shape", "cpu-small", "--out", str(tmp_path), "--rep-ms", "20"]) == 0
@@ -126,6 +142,8 @@ def test_bench_parts_gpu(tmp_path, capsys):
     assert [r["gemm"] for r in rows] == ["fc1", "fc2", "fc2_dgrad", "fc1_dgrad", "fc1_wgrad", "fc2_wgrad"]
     for r in rows:
         assert 0 < float(r["moemlp_pct_mm"]) < 1000 and float(r["mm_tflops"]) > 0
+        assert r["bound"] in ("mm", "memory") and 0 < float(r["moemlp_pct_bound"]) < 1000
+        assert float(r["copy_gbps"]) > 100 and float(r["min_gb"]) > 0
     assert "% of a dense torch.mm" in capsys.readouterr().out
 
 

@@ -15,6 +15,10 @@ The six GEMMs (M routed rows, H hidden, F per-expert FFN, N1 = 2F):
   fc2_wgrad   dW2[e] = dyᵀ @ z        per expert (H, R_e) × (R_e, F)
 
 ``% of mm`` is t(dense torch.mm of the same FLOPs) / t(kernel) · 100: 100 is a dense GEMM's speed.
+``% of bound`` is the kernel's lower bound over its time: the bound is the larger of that dense mm's
+time and the time the GEMM's unavoidable bytes (``min_bytes``: each operand read once, each output
+written once, every expert's weights included) take at the copy bandwidth measured in the same run
+(``copy_gbps``). Where experts are small the weights dominate those bytes, and the bound is memory.
 The dense mm has the forward's orientation for the forward and dgrad GEMMs, and (N, M) × (M, K) for
 the weight gradients. ``grouped_mm`` is the plain GEMM with no epilogue (what the torch composition
 runs before its separate elementwise ops). ``gluon`` is the Gluon engine on the same GEMM with the
@@ -35,9 +39,40 @@ from ..activations import ACTIVATIONS
 from .common import device_description, print_table, routed_problem, time_ms, write_csv
 from .peers import _grouped_mm_ok
 
-__all__ = ["run_parts_bench", "run_fp8_parts_bench", "GEMMS", "FP8_PARTS"]
+__all__ = ["run_parts_bench", "run_fp8_parts_bench", "min_bytes", "copy_gbps", "GEMMS", "FP8_PARTS"]
 
 GEMMS = ("fc1", "fc2", "fc2_dgrad", "fc1_dgrad", "fc1_wgrad", "fc2_wgrad")
+
+
+def min_bytes(gemm: str, M: int, H: int, F: int, E: int, elem: int = 2, probs: bool = True) -> int:
+    """The bytes a GEMM of the step cannot avoid moving: each operand read once and each output
+    written once, in ``elem``-byte elements (bf16: 2), every expert's weights (or weight gradients)
+    whole. FC1 also reads fp32 probs and writes h and z; FC2_DGRAD reads h and probs and writes g_h,
+    z and fp32 dprobs (its row partials are the kernel's choice, not counted)."""
+    N1 = 2 * F
+    p = 4 * M if probs else 0  # fp32 probs (and dprobs)
+    w1, w2 = E * N1 * H, E * H * F
+    elems = {
+        "fc1": (M * H + w1 + M * N1 + M * F, p),
+        "fc2": (M * F + w2 + M * H, 0),
+        "fc2_dgrad": (M * H + w2 + 2 * M * N1 + M * F, 2 * p),
+        "fc1_dgrad": (M * N1 + w1 + M * H, 0),
+        "fc1_wgrad": (M * N1 + M * H + w1, 0),
+        "fc2_wgrad": (M * H + M * F + w2, 0),
+    }
+    if gemm not in elems:
+        raise ValueError(f"unknown GEMM {gemm!r}; one of {', '.join(elems)}")
+    n, extra = elems[gemm]
+    return elem * n + extra
+
+
+def copy_gbps(device: torch.device, rep_ms: int, nbytes: int = 1 << 30) -> float:
+    """Device-memory bandwidth as a plain copy reaches it: bytes read plus bytes written over the
+    median time of ``dst.copy_(src)`` on two ``nbytes`` buffers."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = time_ms(lambda: dst.copy_(src), device, rep_ms=rep_ms).median
+    return 2 * nbytes / t / 1e6
 
 
 def _gluon_ready(device: torch.device) -> bool:
@@ -63,6 +98,8 @@ def run_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int) -> 
         from ..kernels.gluon import wgrad as gluon_wgrad
         from ..kernels.gluon._launch import PROMOTE_DEPTH
     print(f"bench --parts on {device_description(device)}", flush=True)
+    gbps = copy_gbps(device, rep_ms)
+    print(f"  copy bandwidth {gbps:.0f} GB/s", flush=True)
     rows = []
     for shape in shapes:
         x, splits, probs, w1, w2, dy = routed_problem(shape, device)
@@ -127,6 +164,8 @@ def run_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int) -> 
             flops = 2.0 * a_shape[0] * a_shape[1] * b_shape[1]
             t_mm = time_ms(lambda: torch.mm(a, b), device, rep_ms=rep_ms).median
             t_k = time_ms(kernel, device, rep_ms=rep_ms).median
+            nbytes = min_bytes(name, M, H, F, shape.experts)
+            t_bytes = nbytes / gbps / 1e6
             row = {
                 "shape": shape.name,
                 "gemm": name,
@@ -135,6 +174,10 @@ def run_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int) -> 
                 "moemlp_ms": t_k,
                 "moemlp_tflops": flops / t_k / 1e9,
                 "moemlp_pct_mm": 100.0 * t_mm / t_k,
+                "min_gb": nbytes / 1e9,
+                "bound": "memory" if t_bytes > t_mm else "mm",
+                "moemlp_pct_bound": 100.0 * max(t_mm, t_bytes) / t_k,
+                "copy_gbps": gbps,
                 "grouped_mm_pct_mm": float("nan"),
                 "gluon_pct_mm": float("nan"),
             }
@@ -143,12 +186,14 @@ def run_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int) -> 
             if gluon and engine is not None:
                 row["gluon_pct_mm"] = 100.0 * t_mm / time_ms(engine, device, rep_ms=rep_ms).median
             rows.append(row)
-            print(f"  {shape.name:>16} {name:>10}: {row['moemlp_pct_mm']:5.1f}% of mm", flush=True)
+            print(f"  {shape.name:>16} {name:>10}: {row['moemlp_pct_mm']:5.1f}% of mm, "
+                  f"{row['moemlp_pct_bound']:5.1f}% of its bound ({row['bound']})", flush=True)
         del parts
     write_csv(os.path.join(out_dir, "parts.csv"), rows)
     print_table(rows, ["shape", "gemm", "rows_per_expert", "mm_tflops", "moemlp_tflops", "moemlp_pct_mm",
-                       "grouped_mm_pct_mm", "gluon_pct_mm"],
-                "\nthe six GEMMs, % of a dense torch.mm of the same FLOPs (median ms of do_bench; nan: not run here)")
+                       "grouped_mm_pct_mm", "gluon_pct_mm", "min_gb", "bound", "moemlp_pct_bound"],
+                "\nthe six GEMMs, % of a dense torch.mm of the same FLOPs (median ms of do_bench; nan: not run "
+                f"here); % of the bound: the larger of the mm's time and min_gb at {gbps:.0f} GB/s")
     return rows
 
 
