@@ -3,6 +3,7 @@ command line's own errors."""
 
 import csv
 import math
+import re
 import time
 
 import pytest
@@ -93,6 +94,52 @@ def test_unknown_shape_lists_the_choices(capsys):
         main(["bench", "--shape", "mixtral"])
     err = capsys.readouterr().err
     assert "mixtral-8x7b" in err and "cpu-small" in err
+
+
+def test_own_shape_and_skewed_routing(tmp_path):
+    """--shape H,F,E,TOP_K,TOKENS[:SKEW]: the bench runs the user's shape, and a skew routes expert e
+    with weight (e + 1)^-SKEW (rows fall with the expert's index); 0 keeps the uniform draw."""
+    from moemlp.bench.common import CPU_SHAPES, Shape, parse_shape, routed_problem
+
+    s = parse_shape("64,32,8,2,4096:1.5")
+    assert s == Shape("h64-f32-e8-k2-t4096-skew1.5", 64, 32, 8, 2, 4096, 1.5)
+    splits = routed_problem(s, "cpu")[1]
+    assert int(splits.sum()) == 8192
+    assert splits.tolist() == sorted(splits.tolist(), reverse=True) and splits[0] > 3 * splits[-1]
+    even = routed_problem(parse_shape("64,32,8,2,4096"), "cpu")[1]
+    assert int(even.max() - even.min()) < 0.1 * 1024
+    # the named shapes keep their routing (the README's figures): the uniform draw unchanged
+    assert routed_problem(CPU_SHAPES["cpu-small"], "cpu")[1].tolist() == [53, 54, 58, 68, 71, 73, 67, 68]
+    assert main(["bench", "--device", "cpu", "--backend", "torch", "--shape", "128,64,16,1,64:0.5", "--peers",
+                 "lean", "--out", str(tmp_path), "--rep-ms", "5"]) == 0  # fmt: skip
+    (r,) = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    assert (r["shape"], r["H"], r["F"], r["E"], r["top_k"], r["tokens"]) == ("h128-f64-e16-k1-t64-skew0.5", "128",
+                                                                              "64", "16", "1", "64")
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("1,2,3", "5 integers"),
+        ("8,8,4,2,x", "integer sizes"),
+        ("8,0,4,2,8", "F must be at least 1"),
+        ("8,8,4,5,8", r"TOP_K \(5\) cannot exceed E \(4\)"),
+        ("8,8,4,2,8:x", "SKEW must be a number"),
+        ("8,8,4,2,8:-1", r"SKEW must lie in \[0, 16\]"),
+        ("8,8,4,2,8:nan", r"SKEW must lie in \[0, 16\]"),
+    ],
+)
+def test_own_shape_errors(spec, words, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--device", "cpu", "--shape", spec])
+    assert re.search(words, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("flag", ["--moe", "--hf"])
+def test_shape_refused_where_the_bench_has_its_own(flag, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", flag, "--device", "cpu", "--shape", "cpu-small"])
+    assert f"{flag} runs its own model shapes" in capsys.readouterr().err
 
 
 def test_gpu_shape_on_cpu_is_refused_at_once():

@@ -18,18 +18,35 @@ def _device(arg: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _shapes(names, device):
-    from .bench.common import all_shapes, default_shapes
+def _shape(arg: str):
+    """--shape: a named shape, or H,F,E,TOP_K,TOKENS[:SKEW]."""
+    from .bench.common import all_shapes, parse_shape
 
-    if not names:
+    named = all_shapes()
+    if arg in named:
+        return named[arg]
+    if "," not in arg:
+        raise argparse.ArgumentTypeError(
+            f"unknown shape {arg!r}: one of {', '.join(named)}, or H,F,E,TOP_K,TOKENS[:SKEW]"
+        )
+    try:
+        return parse_shape(arg)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _shapes(shapes, device):
+    from .bench.common import default_shapes
+
+    if not shapes:
         return list(default_shapes(device).values())
-    shapes = [all_shapes()[n] for n in dict.fromkeys(names)]  # argparse checked the names
+    shapes = list(dict.fromkeys(shapes))  # argparse made each a Shape
     if device.type != "cuda":
         heavy = [s for s in shapes if s.flops(True) > _CPU_FLOP_LIMIT]
         if heavy:
             raise SystemExit(
                 f"--shape {heavy[0].name}: {heavy[0].flops(True) / 1e12:.0f} TFLOP per forward + backward, hours on "
-                f"a CPU; the model shapes are for a GPU (--device cuda). On a CPU use --shape cpu-small."
+                f"a CPU; shapes of that size are for a GPU (--device cuda). On a CPU use --shape cpu-small."
             )
     return shapes
 
@@ -69,9 +86,11 @@ def main(argv=None) -> int:
     b.add_argument("--rep-ms", type=int, default=200, help="timing budget per measurement (ms)")
     p = sub.add_parser("precision", help="relative errors vs float64: the probability contract")
     for sp in (b, p):
-        sp.add_argument("--shape", action="append", choices=shape_names, metavar="NAME",
-                        help=f"a shape (repeatable), one of {', '.join(shape_names)}; default: every model "
-                             f"shape on a GPU, cpu-small on a CPU")
+        sp.add_argument("--shape", action="append", type=_shape, metavar="NAME|H,F,E,TOP_K,TOKENS[:SKEW]",
+                        help=f"a shape (repeatable): one of {', '.join(shape_names)}, or your own as hidden size, "
+                             f"per-expert FFN size, experts, experts a token and tokens, with an optional routing "
+                             f"skew (expert e drawn with weight (e + 1)^-SKEW; 0, the default, is uniform), e.g. "
+                             f"4096,1536,64,6,8192:1.2; default: every model shape on a GPU, cpu-small on a CPU")
         sp.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
         sp.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
         sp.add_argument("--out", default="results", help="folder for CSV and PNG (default: results)")
@@ -79,6 +98,9 @@ def main(argv=None) -> int:
     device = _device(args.device)
 
     if args.cmd == "bench":
+        if (args.moe or args.hf) and args.shape:
+            parser.error("--shape sets the expert block's shape (bench, --parts, --recipes, precision); "
+                         f"{'--moe' if args.moe else '--hf'} runs its own model shapes")
         if args.moe:
             from .bench.moe import run_moe_bench
 

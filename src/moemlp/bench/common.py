@@ -20,6 +20,7 @@ class Shape:
     experts: int  # E (local experts)
     top_k: int
     tokens: int
+    skew: float = 0.0  # routing: expert e drawn with weight (e + 1)^-skew; 0 is uniform
 
     @property
     def rows(self) -> int:  # M, routed rows
@@ -53,13 +54,49 @@ def all_shapes() -> dict[str, Shape]:
     return {**GPU_SHAPES, **CPU_SHAPES}
 
 
+def parse_shape(spec: str) -> Shape:
+    """A shape from ``H,F,E,TOP_K,TOKENS`` with an optional ``:SKEW`` (e.g. ``4096,1536,64,6,8192:1.2``):
+    hidden size, per-expert FFN size, experts, experts a token, tokens, and the routing's skew (expert
+    e drawn with weight (e + 1)^-SKEW, 0 uniform). A ValueError names what is wrong."""
+    sizes, _, skew_s = spec.partition(":")
+    parts = sizes.split(",")
+    names = ("H", "F", "E", "TOP_K", "TOKENS")
+    if len(parts) != len(names):
+        raise ValueError(f"a shape is H,F,E,TOP_K,TOKENS[:SKEW] (5 integers), got {spec!r}")
+    try:
+        H, F, E, top_k, tokens = (int(v) for v in parts)
+    except ValueError:
+        raise ValueError(f"a shape is H,F,E,TOP_K,TOKENS[:SKEW] with integer sizes, got {spec!r}") from None
+    for name, v in zip(names, (H, F, E, top_k, tokens)):
+        if v < 1:
+            raise ValueError(f"shape {spec!r}: {name} must be at least 1, got {v}")
+    if top_k > E:
+        raise ValueError(f"shape {spec!r}: TOP_K ({top_k}) cannot exceed E ({E}): a token's experts are distinct")
+    skew = 0.0
+    if skew_s:
+        try:
+            skew = float(skew_s)
+        except ValueError:
+            raise ValueError(f"shape {spec!r}: SKEW must be a number, got {skew_s!r}") from None
+        if not (0.0 <= skew <= 16.0):  # also refuses nan
+            raise ValueError(f"shape {spec!r}: SKEW must lie in [0, 16], got {skew_s}")
+    name = f"h{H}-f{F}-e{E}-k{top_k}-t{tokens}" + (f"-skew{skew:g}" if skew else "")
+    return Shape(name, H, F, E, top_k, tokens, skew)
+
+
 def routed_problem(shape: Shape, device, dtype=torch.bfloat16, probs_dtype=torch.float32, seed=0):
-    """Uniform random top-k routing: each token picks top_k distinct experts; rows grouped by expert.
+    """Random top-k routing: each token picks top_k distinct experts, uniformly or, with
+    ``shape.skew``, expert e with weight (e + 1)^-skew (Gumbel top-k: sampling without replacement
+    in proportion to the weights); rows grouped by expert.
 
     Returns x (M, H), splits (E,), probs (M,), fc1_weight (E, 2F, H), fc2_weight (E, H, F), dy.
     """
     g = torch.Generator(device="cpu").manual_seed(seed)
-    choice = torch.rand(shape.tokens, shape.experts, generator=g).topk(shape.top_k, dim=1).indices
+    scores = torch.rand(shape.tokens, shape.experts, generator=g)
+    if shape.skew:
+        gumbel = -torch.log(-torch.log(scores.clamp_min(1e-20)))
+        scores = gumbel - shape.skew * torch.log(torch.arange(1, shape.experts + 1, dtype=torch.float32))
+    choice = scores.topk(shape.top_k, dim=1).indices
     splits = torch.bincount(choice.flatten(), minlength=shape.experts)
     M, H, F, E = shape.rows, shape.hidden, shape.ffn, shape.experts
 
