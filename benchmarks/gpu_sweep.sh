@@ -2,7 +2,7 @@
 # One device call: the GPU suite, then the benches, one at a time. Logs and CSV under $OUT; short
 # tables last.
 # Usage (device): bash benchmarks/gpu_sweep.sh [PART,PART...]   PART: suite gluon partsfp8 precision bench
-#   partsbf16 recipes profile wgradq parts, run in that order; default suite,partsfp8,recipes. A part
+#   partsbf16 recipes profile wgradq parts shapes, run in that order; default suite,partsfp8,recipes. A part
 #   whose time limit would pass DEADLINE seconds from the start (default 590: the device's 600 s per
 #   call) is skipped.
 # suite: every test, as the README runs them (-n 8; about 4 minutes on a cold H200 host, most of it
@@ -69,4 +69,12 @@ fi
 if has parts && fits parts 60; then
   timeout $(( DEADLINE - SECONDS )) python3 benchmarks/bench_recipe_parts.py --out "$OUT" > "$OUT/parts.log" 2>&1
   grep -v Warn "$OUT/parts.log" | tail -45
+fi
+if has shapes && fits shapes 300; then  # shapes users bring beyond the four models, and skewed routing
+  # (H,F,E,TOP_K,TOKENS[:SKEW]): deepseek-moe-16b, Phi-3.5-MoE, DBRX and Llama-4-Scout's expert blocks;
+  # mixtral and qwen3 with routing skewed toward the first experts. Each shape compiles the peer anew.
+  timeout 300 python3 -m moemlp bench --rep-ms 50 --out "$OUT/shapes" --shape 2048,1408,64,6,8192 \
+    --shape 4096,6400,16,2,8192 --shape 6144,10752,16,4,4096 --shape 5120,8192,16,1,8192 \
+    --shape 4096,14336,8,2,8192:1.2 --shape 2048,768,128,8,4096:1 > "$OUT/shapes.log" 2>&1
+  tail -12 "$OUT/shapes.log"
 fi
