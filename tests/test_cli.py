@@ -46,6 +46,25 @@ def test_bench_compiled_peer_cpu(tmp_path):
     assert float(r["rel_diff_y_compiled"]) < 2e-2 and float(r["compiled_fwdbwd_ms"]) > 0
 
 
+@pytest.mark.long(seconds=60)
+def test_bench_compiled_peer_compiles_every_shape(tmp_path, monkeypatch):
+    # Each shape compiles two graphs (grad mode off for the sanity check, on for the timing). With the
+    # limit at 2 the second shape fits only if it starts a fresh budget: a shared one would have
+    # timed the eager composition under the "compiled" label (a 6-shape GPU run once did).
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    assert main(["bench", "--device", "cpu", "--shape", "cpu-fine", "--shape", "cpu-small", "--peers", "compiled",
+                 "--out", str(tmp_path), "--rep-ms", "5"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    assert [r["shape"] for r in rows] == ["cpu-fine", "cpu-small"]
+    # Past the limit the bench stops with the shape's name rather than time an eager peer.
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    with pytest.raises(RuntimeError, match="cpu-fine: the compiled peer went past torch._dynamo's recompile limit"):
+        main(["bench", "--device", "cpu", "--shape", "cpu-fine", "--peers", "compiled", "--out", str(tmp_path / "b"),
+              "--rep-ms", "5"])
+
+
 def test_precision_cpu_every_shape_given(tmp_path, capsys):
     assert main(["precision", "--device", "cpu", "--backend", "torch", "--shape", "cpu-small", "--shape", "cpu-fine",
                  "--out", str(tmp_path)]) == 0

@@ -19,6 +19,7 @@ GPU speed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -52,6 +53,10 @@ def _peer_fns(peers, x, splits, probs, w1, w2):
         if name == "lean":
             fns[name] = lambda: lean_composition(x, splits, probs, w1, w2)
         elif name == "compiled":
+            # A fresh compile a shape: dynamo keys its cache by the function's code, so shapes timed one
+            # after another would share one recompile budget (2-3 graphs a shape: grad mode on and off),
+            # and past it dynamo runs the function eagerly with no more than a warning.
+            torch._dynamo.reset()
             compiled = torch.compile(lean_composition, dynamic=False)  # static shapes: its best case
             fns[name] = lambda compiled=compiled: compiled(x, splits, probs, w1, w2)
         elif name == "te":
@@ -130,6 +135,31 @@ def ran_backend(backend: str, device: torch.device) -> str:
     return _resolve_backend(backend, probe, None)
 
 
+@contextlib.contextmanager
+def _compiled_or_error(shape_name: str, on: bool):
+    """While the compiled peer is timed: a dynamo recompile-limit hit raises rather than letting the
+    'compiled' column time the eager composition."""
+    if not on:
+        yield
+        return
+    from torch._dynamo import config as dynamo_config
+
+    try:
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+    except ImportError:  # a torch without the switch: the reset per shape (_peer_fns) is the guard
+        yield
+        return
+
+    with dynamo_config.patch(fail_on_recompile_limit_hit=True):
+        try:
+            yield
+        except FailOnRecompileLimitHit as exc:
+            raise RuntimeError(
+                f"{shape_name}: the compiled peer went past torch._dynamo's recompile limit "
+                f"({dynamo_config.recompile_limit}), so it would have run eagerly; its figures are not "
+                f"written") from exc
+
+
 def run_bench(shapes, device: torch.device, backend: str, out_dir: str, rep_ms: int,
               peers=DEFAULT_PEERS) -> list[dict]:
     desc = device_description(device)
@@ -142,7 +172,8 @@ def run_bench(shapes, device: torch.device, backend: str, out_dir: str, rep_ms: 
     for i, shape in enumerate(shapes, 1):
         print(f"[{i}/{len(shapes)}] {shape.name}: H={shape.hidden} F={shape.ffn} E={shape.experts} "
               f"top_k={shape.top_k} tokens={shape.tokens} ...", flush=True)
-        row = bench_shape(shape, device, backend, rep_ms, peers)
+        with _compiled_or_error(shape.name, "compiled" in peers):
+            row = bench_shape(shape, device, backend, rep_ms, peers)
         row["backend"] = ran
         rows.append(row)
         if device.type == "cuda":
