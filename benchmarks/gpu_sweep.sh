@@ -2,7 +2,7 @@
 # One device call: the GPU suite, then the benches, one at a time. Logs and CSV under $OUT; short
 # tables last.
 # Usage (device): bash benchmarks/gpu_sweep.sh [PART,PART...]   PART: suite gluon partsfp8 precision bench
-#   partsbf16 recipes profile wgradq parts shapes, run in that order; default suite,partsfp8,recipes. A part
+#   partsbf16 recipes profile wgradq parts shapes shapes256, run in that order; default suite,partsfp8,recipes. A part
 #   whose time limit would pass DEADLINE seconds from the start (default 590: the device's 600 s per
 #   call) is skipped.
 # suite: every test, as the README runs them (-n 8; about 4 minutes on a cold H200 host, most of it
@@ -77,4 +77,10 @@ if has shapes && fits shapes 300; then  # shapes users bring beyond the four mod
     --shape 4096,6400,16,2,8192 --shape 6144,10752,16,4,4096 --shape 5120,8192,16,1,8192 \
     --shape 4096,14336,8,2,8192:1.2 --shape 2048,768,128,8,4096:1 > "$OUT/shapes.log" 2>&1
   tail -12 "$OUT/shapes.log"
+fi
+if has shapes256 && fits shapes256 200; then  # 256 experts: deepseek-v3's expert block without expert
+  # parallelism (128 rows an expert); ~45 GB of weights and their gradients, so a run of its own
+  timeout 200 python3 -m moemlp bench --rep-ms 50 --out "$OUT/shapes256" --shape 7168,2048,256,8,4096 \
+    > "$OUT/shapes256.log" 2>&1
+  tail -6 "$OUT/shapes256.log"
 fi
