@@ -2,9 +2,9 @@
 # One device call: the GPU suite, then the benches, one at a time. Logs and CSV under $OUT; short
 # tables last.
 # Usage (device): bash benchmarks/gpu_sweep.sh [PART,PART...]   PART: suite gluon partsfp8 precision bench
-#   partsbf16 recipes profile wgradq parts shapes shapes256, run in that order; default suite,partsfp8,recipes. A part
-#   whose time limit would pass DEADLINE seconds from the start (default 590: the device's 600 s per
-#   call) is skipped.
+#   partsbf16 recipes profile wgradq parts shapes shapes256, run in that order; default
+#   suite,partsfp8,recipes. A part whose time limit would pass DEADLINE seconds from the start
+#   (default 590: the device's 600 s per call) is skipped.
 # suite: every test, as the README runs them (-n 8; about 4 minutes on a cold H200 host, most of it
 # kernel compiles); gluon: the Gluon engine's tests alone.
 set -uo pipefail
