@@ -33,7 +33,8 @@ def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str, a_parts: int = 1
         return f"tensordesc<{code}[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, ty)!r}>"
 
     chain = 1 if scaled else _launch.PROMOTE_DEPTH // BK
-    constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=_launch.STAGES, GROUP_M=_launch.GROUP_M, E_BLOCK=128,
+    stages = _launch._dgrad_stages(a_parts == 2 or epi, scaled, regs, G)
+    constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_M=_launch.GROUP_M, E_BLOCK=128,
                       B_KMAJOR=b_kmajor, CW=_launch.DGRAD_CW, G=G, CHAIN=chain, ACT=act, HAS_PROBS=True,
                       STORE_Z=True, STORE_PARTIAL=True, A_PARTS=a_parts, SCALED=scaled, REGS=regs,
                       EPI_WG=epi)  # fmt: skip
@@ -80,10 +81,12 @@ def test_offline_sm90_compile(b_kmajor, G, act, probs, a_parts):
     local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
     assert regs <= 168, usage
     assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
-    # 4 stages × 24 KiB (ping-pong) or 32 KiB (cooperative: two 64-row A blocks) + 2 fp32 epilogue tiles
-    # × 32 KiB + barriers, within sm_90's 227 KiB a CTA
+    # 6 stages × 24 KiB (ping-pong, G > 1) or 4 × 24 KiB (ping-pong, G = 1) or 4 × 32 KiB (cooperative:
+    # two 64-row A blocks) + 2 fp32 epilogue tiles × 32 KiB + barriers, within sm_90's 227 KiB a CTA
     stage = (a_parts * _launch.BM_PROMOTED + _launch.BN) * _launch.BK * 2
-    assert _launch.STAGES * stage + 64 * 1024 <= shared <= 227 * 1024, shared
+    stages = _launch._dgrad_stages(a_parts == 2, False, False, G)
+    assert stages == (6 if a_parts == 1 and G > 1 else 4)
+    assert stages * stage + 64 * 1024 <= shared <= 227 * 1024, shared
 
 
 @needs_gluon

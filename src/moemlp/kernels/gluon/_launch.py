@@ -256,9 +256,18 @@ def grouped_gemm(
     return out
 
 
-# FC2_DGRAD's fused kernel (_fc2_dgrad.py): 64-row promoted tiles, 4 stages of 24 KiB, two fp32 epilogue
-# tiles of 32 KiB: 160 KiB. The epilogue reads its accumulator back in chunks of 64 columns.
+# FC2_DGRAD's fused kernel (_fc2_dgrad.py): 64-row promoted tiles, stages of 24 KiB (ping-pong) or 32 KiB
+# (cooperative), two fp32 epilogue tiles of 32 KiB. The epilogue reads its accumulator back in chunks of
+# 64 columns.
 DGRAD_CW = 64
+# Ring stages of bf16 FC2_DGRAD on ping-pong tiles with the staged epilogue: 6 × 24 KiB + 64 KiB = 208 KiB.
+# Where experts are small the kernel is bound by its bytes' rate, and a deeper ring keeps more of them in
+# flight while a warpgroup's epilogue waits on h: 6 stages ran 1.10x (qwen3) and 1.19x (gpt-oss) the
+# 4-stage kernel, the same bits (docs/DECISIONS.md, "A 6-stage ring for ping-pong FC2_DGRAD"). Other
+# modes keep STAGES: the register epilogue's bf16 tiles (96 KiB) leave no room, cooperative tiles and
+# fp8_block were not measured deeper, and with G = 1 (gate and up interleaved column by column) the
+# offline sm_90 compile at 6 stages keeps 14 tile-loop values in local memory.
+DGRAD_PINGPONG_STAGES = 6
 # Cooperative 128-row tiles (both consumers issuing at once on one tile) where experts average at least
 # this many rows, else 64-row tiles in ping-pong, where half of a 128-row tile over a small expert would
 # be empty (docs/DECISIONS.md, "Cooperative 128-row tiles for FC2_DGRAD on large experts").
@@ -270,6 +279,12 @@ DGRAD_COOPERATIVE_ROWS = 1024
 DGRAD_EPILOGUE_WARPGROUP = False
 # The GLU kinds the fused epilogue implements (ActivationSpec.kernel_id): swiglu, clamped_swiglu.
 DGRAD_ACTIVATIONS = (0, 1)
+
+
+def _dgrad_stages(cooperative: bool, scaled: bool, regs: bool, G: int) -> int:
+    """FC2_DGRAD's ring stages: DGRAD_PINGPONG_STAGES for bf16 ping-pong tiles with the staged
+    epilogue and G > 1, else STAGES."""
+    return STAGES if cooperative or scaled or regs or G == 1 else DGRAD_PINGPONG_STAGES
 
 
 def _register_epilogue_why(h: torch.Tensor, g_h: torch.Tensor, z: torch.Tensor | None, G: int, scaled: bool) -> str:
@@ -462,7 +477,8 @@ def fc2_dgrad(
             probs if probs is not None else dummy, partial if partial is not None else dummy, *scale_args, splits,
             E, M, F, H, N1,
             float(params[0]), float(params[1]), float(params[2]),
-            BM=bm, BN=BN, BK=bk, STAGES=STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor, CW=DGRAD_CW,
+            BM=bm, BN=BN, BK=bk, STAGES=_dgrad_stages(cooperative, scaled, regs, glu_interleave), GROUP_M=GROUP_M,
+            E_BLOCK=e_block, B_KMAJOR=kmajor, CW=DGRAD_CW,
             G=glu_interleave, CHAIN=1 if scaled else promote_depth // BK, ACT=activation_id,
             HAS_PROBS=probs is not None, STORE_Z=z is not None, STORE_PARTIAL=partial is not None, A_PARTS=a_parts,
             SCALED=scaled, REGS=regs, EPI_WG=epilogue_warpgroup, num_warps=NUM_WARPS,
