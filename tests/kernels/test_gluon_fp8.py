@@ -27,7 +27,8 @@ def _compile_sm90(out_fp32: bool, splits_dtype: str = "i32"):
         return f"tensordesc<{dtype}[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, ty)!r}>"
 
     c = "fp32" if out_fp32 else "bf16"
-    constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=_launch.FP8_STAGES, GROUP_M=_launch.GROUP_M, E_BLOCK=128)
+    stages = _launch._fp8_stages(torch.float32 if out_fp32 else torch.bfloat16)
+    constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_M=_launch.GROUP_M, E_BLOCK=128)
     sig = {"a_desc": desc([BM, BK], "fp8e4nv"), "b_desc": desc([BN, BK], "fp8e4nv"), "c_desc": desc([BM, BN], c),
            "c_ptr": f"*{c}", "a_scale_ptr": "*fp32", "stride_asm": "i32", "stride_ask": "i32", "b_scale_ptr": "*fp32",
            "stride_bse": "i32", "stride_bsn": "i32", "stride_bsk": "i32", "splits_ptr": f"*{splits_dtype}",
@@ -44,10 +45,13 @@ def test_offline_sm90_compile(out_fp32):
     check_fp8_consumers(sass, usage)
     # The producer: two 64-row A blocks and one B block a stage.
     assert len(re.findall(r"\bUTMALDG\.2D\b", sass)) == 3
-    # 4 stages × (2 × 64 + 128) × 128 codes + 2 epilogue tiles of 64 × 128, within sm_90's 227 KiB
+    # 6 stages (bf16 C) or 4 (fp32 C) × (2 × 64 + 128) × 128 codes + 2 epilogue tiles of 64 × 128,
+    # within sm_90's 227 KiB
     stage = (2 * _launch.FP8_BM + _launch.BN) * _launch.FP8_BK
     tiles = 2 * _launch.FP8_BM * _launch.BN * (4 if out_fp32 else 2)
-    assert _launch.FP8_STAGES * stage + tiles <= shared <= 227 * 1024, shared
+    stages = _launch._fp8_stages(torch.float32 if out_fp32 else torch.bfloat16)
+    assert stages == (4 if out_fp32 else 6)
+    assert stages * stage + tiles <= shared <= 227 * 1024, shared
 
 
 def _operands(M=64, K=256, N=128, E=2, device="cpu"):

@@ -32,9 +32,13 @@ GROUP_M = 8
 MAX_EXPERTS = 256
 
 # FP8 blockwise GEMM (_engine.grouped_gemm_fp8_kernel): cooperative 128-row tiles, 128-deep steps (one
-# scale block each), 4 stages of (128 + 128) × 128 codes = 32 KiB: 128 KiB of ring + 2 epilogue tiles
-# of 64 × 128 (bf16 16 KiB each, fp32 32 KiB).
+# scale block each), stages of (128 + 128) × 128 codes = 32 KiB, 2 epilogue tiles of 64 × 128 (bf16 16
+# KiB each, fp32 32 KiB). A bf16 C leaves room for 6 stages (224 KiB): where experts are small the
+# GEMM waits on its bytes, and 6 stages ran 1.05x (qwen3's FC2) and 1.04x (gpt-oss's) the 4-stage
+# kernel, the same bits (docs/DECISIONS.md, "Deeper rings where the bytes bind"). fp32 C and
+# fp8_wgrad_kernel keep 4 (not measured deeper).
 FP8_BM, FP8_BK, FP8_STAGES = 64, 128, 4
+FP8_STAGES_BF16_OUT = 6
 # FC1 (_fc1.py): 64 output columns a tile (its 64 gates and 64 ups make the 128-column accumulator),
 # each consumer's epilogue tiles h's gate and up halves in bf16 and z, BM × 64 each. bf16 on 128-row
 # ping-pong tiles: 2 × (16 + 16 + 16) KiB of epilogue tiles with a bf16 z leave room for 4 stages of
@@ -260,14 +264,18 @@ def grouped_gemm(
 # (cooperative), two fp32 epilogue tiles of 32 KiB. The epilogue reads its accumulator back in chunks of
 # 64 columns.
 DGRAD_CW = 64
-# Ring stages of bf16 FC2_DGRAD on ping-pong tiles with the staged epilogue: 6 × 24 KiB + 64 KiB = 208 KiB.
-# Where experts are small the kernel is bound by its bytes' rate, and a deeper ring keeps more of them in
+# Ring stages of FC2_DGRAD on ping-pong tiles with the staged epilogue: 6 × 24 KiB (bf16) or 6 × 24
+# KiB of e4m3 codes (fp8_block, 64 + 128 rows × 128) + 64 KiB of fp32 epilogue tiles = 208 KiB. Where
+# experts are small the kernel is bound by its bytes' rate, and a deeper ring keeps more of them in
 # flight while a warpgroup's epilogue waits on h: 6 stages ran 1.10x (qwen3) and 1.19x (gpt-oss) the
-# 4-stage kernel, the same bits (docs/DECISIONS.md, "A 6-stage ring for ping-pong FC2_DGRAD"). Other
-# modes keep STAGES: the register epilogue's bf16 tiles (96 KiB) leave no room, cooperative tiles and
-# fp8_block were not measured deeper, and with G = 1 (gate and up interleaved column by column) the
-# offline sm_90 compile at 6 stages keeps 14 tile-loop values in local memory.
+# 4-stage kernel in bf16, 1.01x and 1.02x under fp8_block, the same bits (docs/DECISIONS.md, "A 6-stage
+# ring for ping-pong FC2_DGRAD", "Deeper rings where the bytes bind"). With G = 1 (gate and up
+# interleaved column by column) bf16 takes 5: the offline sm_90 compile at 6 keeps 14 tile-loop values
+# in local memory, at 5 none, and 5 ran 1.09x (gpt-oss) the 4-stage kernel. The register epilogue's
+# bf16 tiles (96 KiB) leave no room; cooperative tiles measured no gain at 5 under fp8_block and keep
+# STAGES, as does fp8_block at G = 1 (not measured).
 DGRAD_PINGPONG_STAGES = 6
+DGRAD_INTERLEAVED_STAGES = 5
 # Cooperative 128-row tiles (both consumers issuing at once on one tile) where experts average at least
 # this many rows, else 64-row tiles in ping-pong, where half of a 128-row tile over a small expert would
 # be empty (docs/DECISIONS.md, "Cooperative 128-row tiles for FC2_DGRAD on large experts").
@@ -282,9 +290,16 @@ DGRAD_ACTIVATIONS = (0, 1)
 
 
 def _dgrad_stages(cooperative: bool, scaled: bool, regs: bool, G: int) -> int:
-    """FC2_DGRAD's ring stages: DGRAD_PINGPONG_STAGES for bf16 ping-pong tiles with the staged
-    epilogue and G > 1, else STAGES."""
-    return STAGES if cooperative or scaled or regs or G == 1 else DGRAD_PINGPONG_STAGES
+    """FC2_DGRAD's ring stages: on ping-pong tiles with the staged epilogue DGRAD_PINGPONG_STAGES, or
+    DGRAD_INTERLEAVED_STAGES for bf16 at G = 1; else STAGES."""
+    if cooperative or regs or (scaled and G == 1):
+        return STAGES
+    return DGRAD_INTERLEAVED_STAGES if G == 1 else DGRAD_PINGPONG_STAGES
+
+
+def _fp8_stages(out_dtype: torch.dtype) -> int:
+    """grouped_gemm_fp8's ring stages: FP8_STAGES_BF16_OUT for a bf16 C, else FP8_STAGES."""
+    return FP8_STAGES_BF16_OUT if out_dtype == torch.bfloat16 else FP8_STAGES
 
 
 def _register_epilogue_why(h: torch.Tensor, g_h: torch.Tensor, z: torch.Tensor | None, G: int, scaled: bool) -> str:
@@ -591,7 +606,7 @@ def grouped_gemm_fp8(
         launch(grouped_gemm_fp8_kernel, grid,
             a_desc, b_desc, c_desc, out, a_scale, a_scale.stride(0), a_scale.stride(1), b_scale, b_scale.stride(0),
             b_scale.stride(1), b_scale.stride(2), splits, E, M, N, K,
-            BM=FP8_BM, BN=BN, BK=FP8_BK, STAGES=FP8_STAGES, GROUP_M=GROUP_M, E_BLOCK=e_block,
+            BM=FP8_BM, BN=BN, BK=FP8_BK, STAGES=_fp8_stages(out_dtype), GROUP_M=GROUP_M, E_BLOCK=e_block,
             num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
     return out
