@@ -27,7 +27,7 @@ def _compile_sm90(out_fp32: bool, splits_dtype: str = "i32"):
         return f"tensordesc<{dtype}[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, ty)!r}>"
 
     c = "fp32" if out_fp32 else "bf16"
-    stages = _launch._fp8_stages(torch.float32 if out_fp32 else torch.bfloat16)
+    stages = _launch._fp8_stages(torch.float32 if out_fp32 else torch.bfloat16, 256, 2)
     constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_M=_launch.GROUP_M, E_BLOCK=128)
     sig = {"a_desc": desc([BM, BK], "fp8e4nv"), "b_desc": desc([BN, BK], "fp8e4nv"), "c_desc": desc([BM, BN], c),
            "c_ptr": f"*{c}", "a_scale_ptr": "*fp32", "stride_asm": "i32", "stride_ask": "i32", "b_scale_ptr": "*fp32",
@@ -49,7 +49,7 @@ def test_offline_sm90_compile(out_fp32):
     # within sm_90's 227 KiB
     stage = (2 * _launch.FP8_BM + _launch.BN) * _launch.FP8_BK
     tiles = 2 * _launch.FP8_BM * _launch.BN * (4 if out_fp32 else 2)
-    stages = _launch._fp8_stages(torch.float32 if out_fp32 else torch.bfloat16)
+    stages = _launch._fp8_stages(torch.float32 if out_fp32 else torch.bfloat16, 256, 2)
     assert stages == (4 if out_fp32 else 6)
     assert stages * stage + tiles <= shared <= 227 * 1024, shared
 

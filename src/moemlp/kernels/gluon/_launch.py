@@ -33,10 +33,11 @@ MAX_EXPERTS = 256
 
 # FP8 blockwise GEMM (_engine.grouped_gemm_fp8_kernel): cooperative 128-row tiles, 128-deep steps (one
 # scale block each), stages of (128 + 128) × 128 codes = 32 KiB, 2 epilogue tiles of 64 × 128 (bf16 16
-# KiB each, fp32 32 KiB). A bf16 C leaves room for 6 stages (224 KiB): where experts are small the
-# GEMM waits on its bytes, and 6 stages ran 1.05x (qwen3's FC2) and 1.04x (gpt-oss's) the 4-stage
-# kernel, the same bits (docs/DECISIONS.md, "Deeper rings where the bytes bind"). fp32 C and
-# fp8_wgrad_kernel keep 4 (not measured deeper).
+# KiB each, fp32 32 KiB). A bf16 C leaves room for 6 stages (224 KiB): where experts average fewer
+# than DGRAD_COOPERATIVE_ROWS rows the GEMM waits on its bytes, and 6 stages ran 1.05x (qwen3's FC2)
+# and 1.04x (gpt-oss's) the 4-stage kernel, the same bits; on large experts 0.97x (mixtral) and
+# 1.01x (deepseek-v3), so they keep 4 (docs/DECISIONS.md, "Deeper rings where the bytes bind"). fp32
+# C and fp8_wgrad_kernel keep 4 (not measured deeper).
 FP8_BM, FP8_BK, FP8_STAGES = 64, 128, 4
 FP8_STAGES_BF16_OUT = 6
 # FC1 (_fc1.py): 64 output columns a tile (its 64 gates and 64 ups make the 128-column accumulator),
@@ -297,9 +298,11 @@ def _dgrad_stages(cooperative: bool, scaled: bool, regs: bool, G: int) -> int:
     return DGRAD_INTERLEAVED_STAGES if G == 1 else DGRAD_PINGPONG_STAGES
 
 
-def _fp8_stages(out_dtype: torch.dtype) -> int:
-    """grouped_gemm_fp8's ring stages: FP8_STAGES_BF16_OUT for a bf16 C, else FP8_STAGES."""
-    return FP8_STAGES_BF16_OUT if out_dtype == torch.bfloat16 else FP8_STAGES
+def _fp8_stages(out_dtype: torch.dtype, M: int, E: int) -> int:
+    """grouped_gemm_fp8's ring stages: FP8_STAGES_BF16_OUT for a bf16 C where experts average fewer
+    than DGRAD_COOPERATIVE_ROWS rows, else FP8_STAGES."""
+    small = M < DGRAD_COOPERATIVE_ROWS * E
+    return FP8_STAGES_BF16_OUT if out_dtype == torch.bfloat16 and small else FP8_STAGES
 
 
 def _register_epilogue_why(h: torch.Tensor, g_h: torch.Tensor, z: torch.Tensor | None, G: int, scaled: bool) -> str:
@@ -606,7 +609,7 @@ def grouped_gemm_fp8(
         launch(grouped_gemm_fp8_kernel, grid,
             a_desc, b_desc, c_desc, out, a_scale, a_scale.stride(0), a_scale.stride(1), b_scale, b_scale.stride(0),
             b_scale.stride(1), b_scale.stride(2), splits, E, M, N, K,
-            BM=FP8_BM, BN=BN, BK=FP8_BK, STAGES=_fp8_stages(out_dtype), GROUP_M=GROUP_M, E_BLOCK=e_block,
+            BM=FP8_BM, BN=BN, BK=FP8_BK, STAGES=_fp8_stages(out_dtype, M, E), GROUP_M=GROUP_M, E_BLOCK=e_block,
             num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
     return out
