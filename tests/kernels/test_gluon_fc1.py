@@ -37,7 +37,7 @@ def _compile_sm90(G: int, act: int, probs: str, z: str, bias: bool, scaled: bool
 
     constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_M=_launch.GROUP_M, E_BLOCK=e_block, G=G, ACT=act,
                       HAS_BIAS=bias, HAS_PROBS=True, STORE_Z=store_z, SCALED=scaled,
-                      A_PARTS=2 if scaled or coop else 1)
+                      A_PARTS=2 if scaled or coop else 1, ONE_H_TILE=coop or (not scaled and _launch.FC1_ONE_H_TILE))
     z_ty = gl.float32 if z == "fp32" else gl.bfloat16
     sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN // 2, BK]), "h_desc": desc([BM, BN // 2], "bf16", gl.bfloat16),
            "z_desc": desc([BM, BN // 2], z, z_ty), "h_ptr": "*bf16", "z_ptr": f"*{z}",
@@ -81,14 +81,16 @@ def test_offline_sm90_compile_fp8(G, act, probs, z, bias):
 
 @needs_gluon
 @pytest.mark.parametrize(
-    "G, act, probs, bias",
+    "G, act, probs, bias, z",
     [
-        pytest.param(768, 0, "fp32", False, id="swiglu-halves"),  # qwen3 / mixtral / deepseek
-        pytest.param(64, 1, "bf16", True, id="clamped-G64-bias-bf16probs"),
+        pytest.param(768, 0, "fp32", False, "bf16", id="swiglu-halves"),  # qwen3
+        pytest.param(64, 1, "bf16", True, "bf16", id="clamped-G64-bias-bf16probs"),  # gpt-oss
+        pytest.param(768, 0, "fp32", False, "fp32", id="fp32-z"),
+        pytest.param(768, 0, "fp32", False, None, id="h-alone"),  # recompute_fc1's launch
     ],
 )
-def test_offline_sm90_compile_bf16(G, act, probs, bias):
-    sass, usage, shared = _compile_sm90(G, act, probs, "bf16", bias, scaled=False)
+def test_offline_sm90_compile_bf16(G, act, probs, bias, z):
+    sass, usage, shared = _compile_sm90(G, act, probs, z or "bf16", bias, scaled=False, store_z=z is not None)
     # Per consumer one unpromoted chain a tile: BK / 16 = 4 bf16 wgmma of m64n128k16 a step for each
     # of the tile's two 64-row halves, one group in flight (a wait for one outstanding, and the last
     # step's wait for none), nothing serialized.
@@ -101,12 +103,17 @@ def test_offline_sm90_compile_bf16(G, act, probs, bias):
     local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
     assert regs <= 168, usage
     assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
-    assert len(re.findall(r"\bUTMASTG\.2D\b", sass)) == 2 * 3  # h's gate and up halves and z, a consumer
-    # 4 stages × (128 + 128) × 64 × 2 B + each consumer's bf16 gate, up and z tiles of 128 × 64,
-    # within sm_90's 227 KiB
+    # h's gate and up halves (one shared tile in turn) and z, from each consumer
+    assert len(re.findall(r"\bUTMASTG\.2D\b", sass)) == 2 * (3 if z else 2)
+    # 5 stages (4 with an fp32 z) × (128 + 128) × 64 × 2 B + each consumer's bf16 h tile and z tile of
+    # 128 × 64, within sm_90's 227 KiB: the ring's 5th stage is the room a second h tile would take.
+    assert _launch.FC1_ONE_H_TILE and _launch.FC1_STAGES == 5
     stage = (_launch.FC1_BM + _launch.BN) * _launch.BK * 2
-    tiles = 2 * 3 * _launch.FC1_BM * (_launch.BN // 2) * 2
-    assert _launch.FC1_STAGES * stage + tiles <= shared <= 227 * 1024, shared
+    tile = _launch.FC1_BM * (_launch.BN // 2) * 2
+    tiles = 2 * (tile + {"bf16": tile, "fp32": 2 * tile, None: 0}[z])
+    stages = _launch.FC1_STAGES - (z == "fp32")
+    assert stages * stage + tiles <= shared <= 227 * 1024, shared
+    assert (stages + 1) * stage + tiles + 2 * tile > 227 * 1024 or z is None  # no room for the second h tile
 
 
 @needs_gluon
@@ -198,6 +205,8 @@ GPU_CASES = [
                  id="all-capacity"),
     pytest.param([700, 700], 1000, 128, 192, None, "swiglu", (), False, torch.float32, torch.float32,
                  id="splits-past-M"),  # the running sum is clamped at M; F = 3 tiles of 64
+    pytest.param([300, 0, 257], 600, 512, 192, 64, "swiglu", (), False, torch.float32, None,
+                 id="h-alone"),  # recompute_fc1's launch; bf16: ping-pong, boundary tiles, 43 capacity rows
 ]
 
 
@@ -205,7 +214,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8_block"])
 @pytest.mark.parametrize("splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype", GPU_CASES)
 def test_gpu_matches_the_triton_kernel(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, fp8):
-    # bf16 here with an fp32 z or G = 64 or 192: the ping-pong tiles
+    # bf16 here with an fp32 z, no z or G = 64 or 192: the ping-pong tiles (5 stages, 4 with an fp32 z)
     _check_against_triton(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, fp8, None)
 
 
