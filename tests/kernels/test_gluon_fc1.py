@@ -37,7 +37,7 @@ def _compile_sm90(G: int, act: int, probs: str, z: str, bias: bool, scaled: bool
 
     constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_M=_launch.GROUP_M, E_BLOCK=e_block, G=G, ACT=act,
                       HAS_BIAS=bias, HAS_PROBS=True, STORE_Z=store_z, SCALED=scaled,
-                      A_PARTS=2 if scaled or coop else 1, ONE_H_TILE=coop or (not scaled and _launch.FC1_ONE_H_TILE))
+                      A_PARTS=2 if scaled or coop else 1)
     z_ty = gl.float32 if z == "fp32" else gl.bfloat16
     sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN // 2, BK]), "h_desc": desc([BM, BN // 2], "bf16", gl.bfloat16),
            "z_desc": desc([BM, BN // 2], z, z_ty), "h_ptr": "*bf16", "z_ptr": f"*{z}",
@@ -107,13 +107,13 @@ def test_offline_sm90_compile_bf16(G, act, probs, bias, z):
     assert len(re.findall(r"\bUTMASTG\.2D\b", sass)) == 2 * (3 if z else 2)
     # 5 stages (4 with an fp32 z) × (128 + 128) × 64 × 2 B + each consumer's bf16 h tile and z tile of
     # 128 × 64, within sm_90's 227 KiB: the ring's 5th stage is the room a second h tile would take.
-    assert _launch.FC1_ONE_H_TILE and _launch.FC1_STAGES == 5
+    assert _launch.FC1_STAGES == 5
     stage = (_launch.FC1_BM + _launch.BN) * _launch.BK * 2
     tile = _launch.FC1_BM * (_launch.BN // 2) * 2
     tiles = 2 * (tile + {"bf16": tile, "fp32": 2 * tile, None: 0}[z])
     stages = _launch.FC1_STAGES - (z == "fp32")
     assert stages * stage + tiles <= shared <= 227 * 1024, shared
-    assert (stages + 1) * stage + tiles + 2 * tile > 227 * 1024 or z is None  # no room for the second h tile
+    assert stages * stage + tiles + 2 * tile > 227 * 1024 or z is None  # no room for a second h tile
 
 
 @needs_gluon

@@ -28,11 +28,11 @@ Epilogue, in registers: in the wgmma accumulator layout a thread holds column c 
 the same rows (the 64 is a register bit of the layout), so the tile splits into its gate and up
 halves without moving data (reshape → permute → split), and the bias, the GLU and the probs are
 applied where the products are. h's gate and up halves and z go to this warpgroup's bf16 / z-dtype
-shared tiles and out by TMA stores, which the next tile's mainloop overlaps. bf16 tiles
-(``ONE_H_TILE``) stage the gate and up halves through one shared tile a consumer, the up half once
-the gate's store has read it: on cooperative tiles their 64 × 128 tiles beside a 3-stage ring of
-48 KiB stages leave no room for a second, and on ping-pong tiles the 16 KiB saved a consumer buys the
-ring a 5th stage, which the small experts' bytes wait on.
+shared tiles and out by TMA stores, which the next tile's mainloop overlaps. bf16 tiles stage the
+gate and up halves through one shared tile a consumer, the up half once the gate's store has read
+it: on cooperative tiles their 64 × 128 tiles beside a 3-stage ring of 48 KiB stages leave no room
+for a second, and on ping-pong tiles the 16 KiB saved a consumer buys the ring a 5th stage, which
+the small experts' bytes wait on.
 A tile whose rows cross its expert's end (unless the expert's end is row M, where TMA's clipping is
 exact) is stored from the same shared tiles by masked 16-byte vectors instead: those rows belong to
 the next expert's tiles.
@@ -124,7 +124,7 @@ def _fc1_epilogue(acc, e, m0, n0, row_end, count, WG: gl.constexpr, args):
     HAS_BIAS: gl.constexpr = args[18]
     HAS_PROBS: gl.constexpr = args[19]
     STORE_Z: gl.constexpr = args[20]
-    ONE_H_TILE: gl.constexpr = args[23]  # one h tile a consumer, the gate then the up half
+    ONE_H_TILE: gl.constexpr = not args[21]  # bf16: one h tile a consumer, the gate then the up half
     TILE_N: gl.constexpr = BN // 2
     h_desc = args[0]
     z_desc = args[1]
@@ -191,13 +191,12 @@ def _consumer(a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr,
               a_ring, b_ring, h_tiles, z_tiles, ready, empty, turn, WG: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
               E_BLOCK: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
-              HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, SCALED: gl.constexpr, A_PARTS: gl.constexpr,
-              ONE_H_TILE: gl.constexpr):
+              HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, SCALED: gl.constexpr, A_PARTS: gl.constexpr):
     # fp8_block: cooperative tiles (A_PARTS = 2) and the scaled mainloop (PROMOTE is not read there);
     # bf16: ping-pong or cooperative tiles, one unpromoted chain a tile (PROMOTE = 0).
     _tile_loop(_fc1_epilogue, _fc1_capacity,
                (h_desc, z_desc, h_tiles, z_tiles, h_ptr, z_ptr, bias_ptr, probs_ptr, M, N, N1, p0, p1, p2, BM, BN,
-                G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS, ONE_H_TILE),
+                G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS),
                a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK,
                True, SCALED, A_PARTS, SCALED,
                (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk),
@@ -245,14 +244,13 @@ def fc1_kernel(
     STORE_Z: gl.constexpr,
     SCALED: gl.constexpr,  # fp8_block's codes and scales
     A_PARTS: gl.constexpr,  # 2: cooperative 2·BM-row tiles (fp8_block, or bf16); 1: ping-pong BM-row tiles (bf16)
-    ONE_H_TILE: gl.constexpr,  # each consumer's h halves through one shared tile in turn, else two
 ):
     gl.static_assert((A_PARTS == 2) | (not SCALED), "fp8_block on cooperative tiles")
     gl.static_assert(h_desc.block_type.shape[1] == BN // 2, "h's and z's blocks: a tile's output columns")
     a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, True, A_PARTS)
-    # Each consumer's shared tiles: h's gate and up halves (2·WG, 2·WG + 1; ONE_H_TILE: one tile, WG,
+    # Each consumer's shared tiles: h's gate and up halves (fp8_block: 2·WG, 2·WG + 1; bf16: one tile, WG,
     # for both in turn), and z (WG).
-    if ONE_H_TILE:
+    if not SCALED:
         h_tiles = gl.allocate_shared_memory(h_desc.dtype, [2, BM, BN // 2], h_desc.layout)
     else:
         h_tiles = gl.allocate_shared_memory(h_desc.dtype, [4, BM, BN // 2], h_desc.layout)
@@ -266,11 +264,11 @@ def fc1_kernel(
         (_consumer, (a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, stride_asm,
                      stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1,
                      p2, a_ring, b_ring, h_tiles, z_tiles, ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M,
-                     E_BLOCK, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS, ONE_H_TILE)),
+                     E_BLOCK, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS)),
         (_consumer, (a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, stride_asm,
                      stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1,
                      p2, a_ring, b_ring, h_tiles, z_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M,
-                     E_BLOCK, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS, ONE_H_TILE)),
+                     E_BLOCK, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                      GROUP_M, E_BLOCK, True, A_PARTS, 2, G, N1)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -42,13 +42,13 @@ FP8_BM, FP8_BK, FP8_STAGES = 64, 128, 4
 FP8_STAGES_BF16_OUT = 6
 # FC1 (_fc1.py): 64 output columns a tile (its 64 gates and 64 ups make the 128-column accumulator),
 # each consumer's epilogue tiles h's halves in bf16 and z, BM × 64 each. bf16 on 128-row ping-pong
-# tiles, the gate and up halves through one h tile a consumer in turn (FC1_ONE_H_TILE): 2 × (16 + 16)
+# tiles, the gate and up halves through one h tile a consumer in turn: 2 × (16 + 16)
 # KiB of epilogue tiles with a bf16 z leave room for 5 stages of (128 + 128) × 64 × 2 B = 32 KiB, 224
 # KiB of the 227; an fp32 z (32 KiB a consumer) leaves 4. With two h tiles a consumer 4 stages fit
 # (3 with an fp32 z): small experts wait on their bytes, so the ring takes the room.
 # fp8_block on the FP8 tiles above: 2 × (8 + 8 + 16) KiB with z in fp32 and 5 stages of 32 KiB (224
 # KiB); 5 measured 1.04× 4 at 1024 and 2048 rows an expert, 0.97× at 256 (docs/DECISIONS.md).
-FC1_BM, FC1_STAGES, FC1_ONE_H_TILE = 128, 5, True
+FC1_BM, FC1_STAGES = 128, 5
 FC1_FP8_STAGES = 5
 # bf16 FC1 on cooperative tiles: 2 × 64 rows × 128 output columns (256 gate and up columns, m64n256
 # wgmma), the plain GEMM's 3 stages of 48 KiB (144 KiB) + each consumer's one bf16 h tile (the gate,
@@ -718,11 +718,11 @@ def fc1(
         return
     bn = BN
     if scaled:
-        bm, bk, stages, a_parts, one_h_tile = FP8_BM, FP8_BK, FC1_FP8_STAGES, 2, False
+        bm, bk, stages, a_parts = FP8_BM, FP8_BK, FC1_FP8_STAGES, 2
     elif cooperative:
-        bm, bk, stages, a_parts, bn, one_h_tile = BM_COOP, BK, STAGES_COOP, 2, FC1_COOP_BN, True
+        bm, bk, stages, a_parts, bn = BM_COOP, BK, STAGES_COOP, 2, FC1_COOP_BN
     else:
-        bm, bk, stages, a_parts, one_h_tile = FC1_BM, BK, FC1_STAGES - fp32_z, 1, FC1_ONE_H_TILE
+        bm, bk, stages, a_parts = FC1_BM, BK, FC1_STAGES - fp32_z, 1
     layout = _fp8_smem_layout if scaled else _smem_layout
     bind_context(x.device)
     a_desc = TensorDescriptor.from_tensor(x, [bm, bk], layout((bm, bk)))
@@ -748,7 +748,7 @@ def fc1(
             float(params[0]), float(params[1]), float(params[2]),
             BM=bm, BN=bn, BK=bk, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, G=glu_interleave,
             ACT=activation_id, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, STORE_Z=z is not None,
-            SCALED=scaled, A_PARTS=a_parts, ONE_H_TILE=one_h_tile, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+            SCALED=scaled, A_PARTS=a_parts, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
 
 
