@@ -321,3 +321,60 @@ def test_e4m3_rounding_on_hopper_is_the_hardware_conversion_but_for_nvfp4(rid, u
            "codes_t_ptr": "*u8"}  # fmt: skip
     ptx, _, _ = _sm90.compile_sm90(kernels._quantize_kernel, const, ptr, None, 4, 1)
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == uses_hw
+
+
+def test_fp8_block_scale_divisions_have_no_slow_path_call():
+    # Offline sm_90 compile (no GPU): fp8_block's two scale divisions (448/amax, 1/scale) are written
+    # out (formats.div_448, rcp_rn), not div.rn.f32, whose slow-path call took the quantizers to
+    # 101-128 registers on triton 3.6; the bits are checked on every fp32 by the GPU test below.
+    import re
+
+    import _sm90
+    from moemlp.kernels.quant import formats, kernels
+
+    if not getattr(formats.HW_E4M3, "value", formats.HW_E4M3):
+        pytest.skip("the interpreter's division")
+    ptrs = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp32", "amax_ptr": "*fp32", "codes_t_ptr": "*u8",
+            "row_start_ptr": "*i64", "row_count_ptr": "*i32"}  # fmt: skip
+    rowwise = dict(RECIPE=0, AXIS=1, BM=32, BK=128, NB=1, POW2=False, VMAX=3.0e38, DEQUANT=False, STORE_T=False)
+    wgrad = dict(RECIPE=0, B=128, BK=32, POW2=False, VMAX=3.0e38, HADAMARD=False, STOCHASTIC=False, AMAX_ONLY=False,
+                 DEQUANT=False, STORE_T=True, STORE_ROWS=False)  # fmt: skip
+    for kernel, const in ((kernels._quantize_kernel, rowwise), (kernels._wgrad_kernel, wgrad)):
+        names = set(kernel.arg_names)
+        ptx, sass, usage = _sm90.compile_sm90(kernel, const, {k: v for k, v in ptrs.items() if k in names}, None, 4, 1)
+        assert "div.rn.f32" not in ptx and "CALL.REL" not in sass
+        assert int(re.search(r"REG:(\d+)", usage).group(1)) <= 72
+
+
+@pytest.mark.gpu
+def test_fp8_block_scale_divisions_are_ieee_on_every_fp32_gpu():
+    # formats.div_448 (448/amax) and rcp_rn (1/scale) against tl.div_rn, bit for bit: div_448 on
+    # every non-negative fp32 bit pattern (0, subnormals, Inf, NaNs: NaN for NaN), rcp_rn on every
+    # positive normal one (its domain: fp8_block's scales).
+    import triton
+    import triton.language as tl
+
+    from moemlp.kernels.quant import formats
+
+    @triton.jit
+    def divisions(bad_ptr, first_ptr, N: tl.constexpr):
+        pid = tl.program_id(0)
+        bits = (pid.to(tl.int64) * N + tl.arange(0, N)).to(tl.int32)
+        v = bits.to(tl.float32, bitcast=True)
+        got = formats.div_448(v)
+        want = tl.div_rn(448.0 + tl.zeros_like(v), v)
+        bad = (got.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True)) & ~((got != got) & (want != want))
+        normal = (bits >= 0x00800000) & (bits < 0x7F800000)
+        got = formats.rcp_rn(tl.where(normal, v, 1.0))
+        want = tl.div_rn(1.0 + tl.zeros_like(v), tl.where(normal, v, 1.0))
+        bad |= normal & (got.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True))
+        tl.store(bad_ptr + pid, tl.sum(bad.to(tl.int32), axis=0))
+        tl.store(first_ptr + pid, tl.min(tl.where(bad, bits, 0x7FFFFFFF), axis=0))
+
+    N = 8192
+    grid = 2**31 // N
+    bad = torch.empty(grid, dtype=torch.int32, device="cuda")
+    first = torch.empty(grid, dtype=torch.int32, device="cuda")
+    divisions[(grid,)](bad, first, N=N)
+    examples = [f"{int(b):#010x}" for b in first[bad > 0][:8].tolist()]
+    assert int(bad.sum()) == 0, f"{int(bad.sum())} bit patterns differ, the first ones at {examples}"

@@ -7,7 +7,9 @@ then does not depend on Triton's lowering of ``/`` (not IEEE-rounded on every ve
 CPU interpreter's numpy emulation. One exception, for speed: on the GPU the e4m3 element codes of
 fp8_block and mxfp8 (``e4m3_code``) and their decoding (``e4m3_signed_value``) use the hardware
 conversions, whose rounding is the reference's (``HW_E4M3``); nvfp4's block scales keep the integer
-path (``e4m3_code_integer``).
+path (``e4m3_code_integer``). And fp8_block's two scale divisions, 448/amax and 1/scale, are written
+out on the GPU (``div_448``, ``rcp_rn``): the same IEEE-rounded quotients, without ``div.rn``'s call
+to its slow path, which cost the quantizer kernels half their registers.
 """
 
 from __future__ import annotations
@@ -96,10 +98,63 @@ def e4m3_signed_value(code):
 
 
 @triton.jit
+def _div_near(a, b):
+    """a / b rounded to nearest even by ``div.rn.f32``'s fast path (the instructions ptxas emits for
+    it on sm_90), for positive a, b with b, 1/b and a/b in [2^-100, 2^100], where that path is taken."""
+    y = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [b], dtype=tl.float32, is_pure=True, pack=1)
+    y = tl.fma(y, tl.fma(-b, y, 1.0), y)  # one Newton step: 1/b to about half an ulp
+    q = a * y
+    return tl.fma(y, tl.fma(-b, q, a), q)  # the remainder's correction: a / b rounded to nearest even
+
+
+@triton.jit
+def div_448(amax):
+    """448 / amax rounded to nearest even, as ``tl.div_rn``, for amax ≥ 0 or NaN (0 -> Inf, Inf -> 0).
+
+    HW_E4M3 (the GPU): ``div.rn``'s own fast path (reciprocal, one Newton step, one remainder
+    correction), used where it is exact: operands scaled by 2^±64 into [2^-100, 2^100], which leaves
+    the quotient exact (scaled back by one multiply, which also rounds an overflow to Inf as the
+    division would); amax < 2^-120 gives Inf (448/amax > 2^128). Checked against ``tl.div_rn`` on
+    every fp32 bit pattern (tests/kernels/test_quant.py, GPU)."""
+    if HW_E4M3:
+        # 2^100 -> 2^-64, 2^-100 -> 2^64
+        f = tl.where(amax > 1.2676506002282294e30, 5.421010862427522e-20,
+                     tl.where(amax < 7.888609052210118e-31, 1.8446744073709552e19, 1.0))
+        q = _div_near(448.0 + tl.zeros_like(amax), amax * f) * f
+        q = tl.where(amax < 7.52316384526264e-37, float("inf"), q)  # 2^-120, and 0
+        return tl.where(amax == float("inf"), 0.0, q)
+    return tl.div_rn(448.0 + tl.zeros_like(amax), amax)
+
+
+@triton.jit
+def rcp_rn(s):
+    """1 / s rounded to nearest even, as ``tl.div_rn``, for positive normal s (an fp8_block scale).
+
+    HW_E4M3: ``_div_near`` on s scaled by 2^±64 into [2^-100, 2^100]. Past 2^126 the reciprocal is
+    subnormal and scaling back rounds twice, so that candidate c is checked against the midpoints
+    c ± 2^-150: the sign of 1 - s·m is exact in one fma on the scaled operands, and a wrong c is one
+    subnormal ulp off. Checked against ``tl.div_rn`` on every positive normal fp32 (GPU test)."""
+    if HW_E4M3:
+        big = s > 1.2676506002282294e30  # 2^100
+        f = tl.where(big, 5.421010862427522e-20, tl.where(s < 7.888609052210118e-31, 1.8446744073709552e19, 1.0))
+        sf = s * f
+        q = _div_near(1.0 + tl.zeros_like(s), sf) * f
+        # past 2^126: q is subnormal; the midpoints around it, scaled by 2^64 (exact: 24 bits at most)
+        qs = q * 1.8446744073709552e19
+        half = 1.2924697071141057e-26  # 2^-150 · 2^64
+        too_low = tl.fma(-sf, qs + half, 1.0) > 0.0  # 1/s above the upper midpoint
+        too_high = tl.fma(-sf, qs - half, 1.0) < 0.0  # 1/s below the lower midpoint
+        bits = q.to(tl.int32, bitcast=True)
+        fixed = (bits + too_low.to(tl.int32) - too_high.to(tl.int32)).to(tl.float32, bitcast=True)
+        return tl.where(s > 8.507059173023462e37, fixed, q)  # 2^126
+    return tl.div_rn(1.0 + tl.zeros_like(s), s)
+
+
+@triton.jit
 def fp8_block_scale(amax, POW2: tl.constexpr, VMAX: tl.constexpr):
     """scale = 448 / amax (IEEE division); overflow -> VMAX (the source dtype's max); POW2 clears the
     mantissa; amax 0, Inf, NaN -> 1."""
-    scale = tl.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
+    scale = div_448(amax)
     scale = tl.where(scale == float("inf"), VMAX, scale)
     if POW2:
         scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # 0xFF800000
@@ -114,7 +169,7 @@ def fp8_block_columns(x, POW2: tl.constexpr, VMAX: tl.constexpr):
     1/scale."""
     scale = fp8_block_scale(tl.max(abs_or_zero(x), axis=0), POW2, VMAX)
     codes = e4m3_code(x * scale[None, :])
-    return codes, tl.div_rn(1.0 + tl.zeros_like(scale), scale)
+    return codes, rcp_rn(scale)
 
 
 @triton.jit

@@ -28,6 +28,7 @@ from .formats import (
     hash_uniform,
     nvfp4_block_scale,
     nvfp4_tensor_scale,
+    rcp_rn,
 )
 
 
@@ -159,7 +160,7 @@ def _quantize_kernel(
         if RECIPE == 0:
             scale = fp8_block_scale(amax, POW2, VMAX)
             codes = e4m3_code(x * _spread(scale, AXIS, BM, NB, BK))
-            scale_out = tl.div_rn(1.0 + tl.zeros_like(scale), scale)  # the dequantization scale
+            scale_out = rcp_rn(scale)  # the dequantization scale
             dequant = scale_out
         else:
             e = e8m0_exponent(amax)
@@ -200,7 +201,7 @@ def _weight_tile(
     amax = tl.max(tl.max(abs_or_zero(xf), axis=1), axis=0) + tl.zeros((1, 1), tl.float32)
     scale = fp8_block_scale(amax, POW2, VMAX)
     codes = e4m3_code(xf * scale)
-    scale_inv = tl.div_rn(1.0 + tl.zeros_like(scale), scale)  # the dequantization scale
+    scale_inv = rcp_rn(scale)  # the dequantization scale
     base = b.to(tl.int64) * M * K
     off = rm.to(tl.int64)[:, None] * K + rk[None, :]
     if DEQUANT:
