@@ -104,7 +104,9 @@ ROW_TILE = (32, 128, 4)
 # _wgrad_kernel: rows per block -> (columns per program, warps), from benchmarks/bench_wgrad_quantizer.py
 # (the four wgrad operands of mixtral-8x7b / deepseek-v3-ep8, bits equal for every tile): fp8_block's
 # 128-row blocks 32 columns at 4 warps, 2.76 -> 1.35 / 2.32 -> 1.23 ms against 128 columns at 8 warps
-# (143 registers: one CTA per SM; 32×4 takes ~120, several CTAs per SM keep more loads in flight);
+# (143 registers: one CTA per SM; 32×4 took ~120, several CTAs per SM keep more loads in flight; that
+# sweep predates formats.div_448 / rcp_rn, with which 32×4 takes 56 on triton 3.6 and 64 columns at 8
+# warps 64, so the ranking may have moved);
 # mxfp8's 32-row blocks 64 columns at 2 warps, 1.44 -> 1.34 / 1.08 -> 1.00 ms. nvfp4's 16-row blocks
 # (Hadamard) were not swept. Settable for that bench.
 WGRAD_TILE = {128: (32, 4), 32: (64, 2), 16: (128, 8)}
