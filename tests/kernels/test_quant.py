@@ -58,6 +58,10 @@ def _data(shape, dtype, seed):
         return x
     for v, k in ((float("nan"), 2), (float("inf"), 1), (float("-inf"), 1), (0.0, 5)):
         flat[torch.randint(0, n, (k,), generator=g)] = v
+    # NaNs with the sign bit set, written as bits (a float fill drops the sign in bf16 and fp16)
+    ints, neg_nan = {torch.float32: (torch.int32, -0x400000), torch.bfloat16: (torch.int16, -0x40),
+                     torch.float16: (torch.int16, -0x200)}[dtype]  # fmt: skip
+    flat.view(ints)[torch.randint(0, n, (2,), generator=g)] = neg_nan
     if dtype == torch.float32:
         flat[torch.randint(0, n, (3,), generator=g)] = 1e-40
     return x
@@ -187,6 +191,26 @@ def test_quantizers_match_torch_gpu(key):
 @pytest.mark.parametrize("key", WGRAD_RECIPES)
 def test_wgrad_quantizer_matches_torch_gpu(key):
     check_wgrad_matches_torch("cuda", big=True, keys=[key])
+
+
+@pytest.mark.long(seconds=40)
+@pytest.mark.gpu
+def test_wgrad_quantizer_at_a_model_shape_gpu():
+    """The wgrad operand passes as a backward launches them (transposed codes, shared row blocks) at
+    qwen3-30b-a3b's x, 32768 x 2048 bf16 over 128 experts: the tile grid of a real step, which the
+    small cases above do not reach. A change that passed those cases once gave a quarter of these
+    codes wrong."""
+    from moemlp.bench.common import GPU_SHAPES, routed_problem
+    from moemlp.kernels.quant import api as kq
+
+    x, splits = routed_problem(GPU_SHAPES["qwen3-30b-a3b"], "cuda")[:2]
+    for key in ("fp8_block", "mxfp8"):
+        r = from_key(key)
+        blocks = kq.row_blocks(splits, x.shape[0], r.block)
+        a = kq.quantize_wgrad(x, splits, r, transposed=True, blocks=blocks)
+        b = r.quantize_wgrad(x.cpu(), splits.cpu())
+        _same(a.codes_t, b.codes.t().contiguous(), f"{key} codes_t")
+        _same(a.scales, b.scales, f"{key} scales")
 
 
 def test_launcher_rejects_bad_inputs():

@@ -49,13 +49,15 @@ def abs_max(t: Tensor, dim) -> Tensor:
 
 
 def e4m3_encode(v: Tensor) -> Tensor:
-    """fp32 -> float8_e4m3fn: round to nearest even, saturate to ±448, NaN stays NaN.
+    """fp32 -> float8_e4m3fn: round to nearest even, saturate to ±448, NaN -> 0x7F whatever its
+    sign (the hardware conversion's code, so TransformerEngine's).
 
     The clamp comes first because torch's own conversion turned overflow into NaN in some
     versions; after it torch's conversion is plain RNE (checked by the tests on ties and
-    subnormals).
+    subnormals). torch's conversion keeps a NaN's sign (0xFF), hence the NaN written in.
     """
-    return torch.clamp(v, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    c = torch.clamp(v, -E4M3_MAX, E4M3_MAX)
+    return torch.where(torch.isnan(c), torch.full_like(c, float("nan")), c).to(torch.float8_e4m3fn)
 
 
 # --- fp8_block ------------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 # e4m3 rounding and decoding by the GPU's conversions (cvt.rn.satfinite.e4m3x2.f32 and back), which
-# are the reference's (below) but for the sign of a NaN code; the interpreter takes the integer path
-# (numpy's float8 emulation reads the NaN pattern as 480).
+# are the reference's (below); the interpreter takes the integer path (numpy's float8 emulation
+# reads the NaN pattern as 480).
 HW_E4M3: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
@@ -35,16 +35,16 @@ def abs_or_zero(x):
 @triton.jit
 def e4m3_code(v):
     """fp32 -> e4m3 code bits (int32 in [0, 256)): round to nearest even, saturate to ±448,
-    NaN -> 0x7F with v's sign bit.
+    NaN -> 0x7F whatever its sign (TransformerEngine's code: the hardware conversion's).
 
     HW_E4M3: the hardware conversion (RNE; satfinite saturates |v| past 448, and every |v| that the
     reference clamps to 448 first rounds to 448 or to 480 > 448, so both give 448; subnormals on
-    the 2^-9 grid; -0 and negative underflow keep the sign), with the NaN code's sign set here.
-    The GPU quantizer tests check it bit for bit against the reference for fp8_block and mxfp8."""
+    the 2^-9 grid; -0 and negative underflow keep the sign; every NaN gives 0x7F). A NaN's sign
+    would not be worth keeping: the GPU's arithmetic drops it (an fp32 -NaN times its block scale
+    comes out +NaN), so it would depend on the path. The GPU quantizer tests check it bit for bit
+    against the reference for fp8_block and mxfp8, signed NaNs included."""
     if HW_E4M3:
-        sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
-        hw = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-        return tl.where(v != v, 0x7F | sign, hw)
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     else:
         return e4m3_code_integer(v)
 
@@ -71,7 +71,7 @@ def e4m3_code_integer(v):
     half = 1 << (shift - 1)
     sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
     code = tl.where(exp >= 121, normal, sub)
-    return tl.where(is_nan, 0x7F, code) | sign
+    return tl.where(is_nan, 0x7F, code | sign)
 
 
 @triton.jit
