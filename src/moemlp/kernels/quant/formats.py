@@ -41,10 +41,12 @@ def e4m3_code(v):
     reference clamps to 448 first rounds to 448 or to 480 > 448, so both give 448; subnormals on
     the 2^-9 grid; -0 and negative underflow keep the sign; every NaN gives 0x7F). A NaN's sign
     would not be worth keeping: the GPU's arithmetic drops it (an fp32 -NaN times its block scale
-    comes out +NaN), so it would depend on the path. The GPU quantizer tests check it bit for bit
-    against the reference for fp8_block and mxfp8, signed NaNs included."""
+    comes out +NaN), so it would depend on the path. The select of 0x7F for NaN repeats what the
+    conversion gives, but without it (or with the sign OR-ed in instead) triton 3.6 stored wrong
+    codes in some transposed outputs (docs/DECISIONS.md, "e4m3 NaN -> 0x7F"). The GPU quantizer
+    tests check it bit for bit against the reference for fp8_block and mxfp8, signed NaNs included."""
     if HW_E4M3:
-        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        return tl.where(v != v, 0x7F, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32))
     else:
         return e4m3_code_integer(v)
 
