@@ -43,8 +43,9 @@ def e4m3_code(v):
     would not be worth keeping: the GPU's arithmetic drops it (an fp32 -NaN times its block scale
     comes out +NaN), so it would depend on the path. The select of 0x7F for NaN repeats what the
     conversion gives, but without it (or with the sign OR-ed in instead) triton 3.6 stored wrong
-    codes in some transposed outputs (docs/DECISIONS.md, "e4m3 NaN -> 0x7F"). The GPU quantizer
-    tests check it bit for bit against the reference for fp8_block and mxfp8, signed NaNs included."""
+    codes in some transposed outputs (docs/DECISIONS.md, "e4m3 NaN → 0x7F whatever its sign").
+    The GPU quantizer tests check it bit for bit against the reference for fp8_block and mxfp8,
+    signed NaNs included."""
     if HW_E4M3:
         return tl.where(v != v, 0x7F, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32))
     else:
