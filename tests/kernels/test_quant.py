@@ -198,8 +198,8 @@ def test_wgrad_quantizer_matches_torch_gpu(key):
 def test_wgrad_quantizer_at_a_model_shape_gpu():
     """The wgrad operand passes as a backward launches them (transposed codes, shared row blocks) at
     qwen3-30b-a3b's x, 32768 x 2048 bf16 over 128 experts: the tile grid of a real step, which the
-    small cases above do not reach. A change that passed those cases once gave a quarter of these
-    codes wrong."""
+    small cases above do not reach: a miscompiled variant passed those and got a quarter of these
+    codes wrong (docs/DECISIONS.md, "Rejected: e4m3 codes with the NaN sign OR-ed in")."""
     from moemlp.bench.common import GPU_SHAPES, routed_problem
     from moemlp.kernels.quant import api as kq
 

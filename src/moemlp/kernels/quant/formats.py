@@ -111,6 +111,14 @@ def _div_near(a, b):
 
 
 @triton.jit
+def _range_factor(x):
+    """2^-64 for x > 2^100, 2^64 for x < 2^-100, else 1: x times it lies in [2^-100, 2^100] for the
+    divisions below, where ``_div_near`` is exact (and 2^±64 is exact to scale back by)."""
+    return tl.where(x > 1.2676506002282294e30, 5.421010862427522e-20,
+                    tl.where(x < 7.888609052210118e-31, 1.8446744073709552e19, 1.0))  # fmt: skip
+
+
+@triton.jit
 def div_448(amax):
     """448 / amax rounded to nearest even, as ``tl.div_rn``, for amax ≥ 0 or NaN (0 -> Inf, Inf -> 0).
 
@@ -120,9 +128,7 @@ def div_448(amax):
     division would); amax < 2^-120 gives Inf (448/amax > 2^128). Checked against ``tl.div_rn`` on
     every fp32 bit pattern (tests/kernels/test_quant.py, GPU)."""
     if HW_E4M3:
-        # 2^100 -> 2^-64, 2^-100 -> 2^64
-        f = tl.where(amax > 1.2676506002282294e30, 5.421010862427522e-20,
-                     tl.where(amax < 7.888609052210118e-31, 1.8446744073709552e19, 1.0))
+        f = _range_factor(amax)
         q = _div_near(448.0 + tl.zeros_like(amax), amax * f) * f
         q = tl.where(amax < 7.52316384526264e-37, float("inf"), q)  # 2^-120, and 0
         return tl.where(amax == float("inf"), 0.0, q)
@@ -138,8 +144,7 @@ def rcp_rn(s):
     c ± 2^-150: the sign of 1 - s·m is exact in one fma on the scaled operands, and a wrong c is one
     subnormal ulp off. Checked against ``tl.div_rn`` on every positive normal fp32 (GPU test)."""
     if HW_E4M3:
-        big = s > 1.2676506002282294e30  # 2^100
-        f = tl.where(big, 5.421010862427522e-20, tl.where(s < 7.888609052210118e-31, 1.8446744073709552e19, 1.0))
+        f = _range_factor(s)
         sf = s * f
         q = _div_near(1.0 + tl.zeros_like(s), sf) * f
         # past 2^126: q is subnormal; the midpoints around it, scaled by 2^64 (exact: 24 bits at most)
