@@ -205,6 +205,44 @@ def test_cpu_backward_builds_the_wgrad_row_blocks_once(key, monkeypatch):
     assert calls == [(16, cfg.recipe.block)], calls
 
 
+@pytest.mark.parametrize("key, engine", [("mxfp8", True), ("nvfp4:hadamard=0,stochastic_rounding=0", False)])
+def test_emulated_values_take_the_bf16_kernels_unless_a_factor_scales_them(key, engine, monkeypatch):
+    """mxfp8's dequantized bf16 values go where bf16 tensors go (the Gluon engine's FC1, FC2_DGRAD with
+    fp32 g_h and z, and its plain GEMM for FC2 and FC1_DGRAD); nvfp4's carry a per-tensor 1/S_enc
+    for the accumulator and stay on the Triton kernels (ACC_SCALE). The kernels' own checks are
+    stubbed to yes, so this is the routing alone (on the CPU; the GPU test below runs it)."""
+    from moemlp.kernels import gluon, operands
+
+    monkeypatch.setattr(operands, "_gluon_on", lambda t: True)
+    for name in ("fc1_supports", "fc2_dgrad_supports", "supports"):
+        monkeypatch.setattr(gluon, name, lambda *a, **k: "")
+    _, cfg = make((3, 2), 64, 64)
+    cfg = with_recipe(cfg, key)
+    E, H, F, M = 2, 64, 64, 5
+    factor = None if key == "mxfp8" else torch.ones(())
+
+    def values(*shape, dtype=torch.bfloat16):
+        return torch.zeros(*shape, dtype=dtype)
+
+    w1, w2 = values(E, 2 * F, H), values(E, H, F)
+    x_op, z_op, dy_op, gh_op = (operands.ActOperand(values(M, k), factor=factor) for k in (H, F, H, 2 * F))
+    cases = [
+        # (kind, A, B, weight, out, z, h, expected)
+        ("fc1", x_op, operands.WeightOperand(w1, (2 * F * H, H, 1), factor=factor), w1, values(M, 2 * F),
+         values(M, F, dtype=torch.float32), None, "fc1"),
+        ("fc2", z_op, operands.WeightOperand(w2, (H * F, F, 1), factor=factor), w2, values(M, H), None, None,
+         "grouped_gemm"),
+        ("fc2_dgrad", dy_op, operands.WeightOperand(w2, (H * F, 1, F), factor=factor), w2,
+         values(M, 2 * F, dtype=torch.float32), values(M, F, dtype=torch.float32), values(M, 2 * F), "fc2_dgrad"),
+        ("fc1_dgrad", gh_op, operands.WeightOperand(w1, (2 * F * H, 1, H), factor=factor), w1, values(M, H), None,
+         None, "grouped_gemm"),
+    ]  # fmt: skip
+    for kind, a_op, b_op, w, out, z, h, expected in cases:
+        weight = operands.Weight(w, cfg.recipe)
+        got = operands.engine_kernel(kind, a_op, b_op, weight, out=out, bias=None, h=h, z=z, cfg=cfg)
+        assert got == (expected if engine else ""), (kind, got)
+
+
 def test_every_recipe_is_supported():
     for key in RECIPES:
         assert K.supports_recipe(from_key(key))
@@ -240,3 +278,56 @@ def test_gpu_matches_torch_emulation(case, key):
     for name, a, b in zip(GRADS, grads, again):
         if a is not None:
             assert torch.equal(a, b), f"{name}: not bitwise repeatable"
+
+
+# The kernels each case's mxfp8 step runs on the GPU, besides the quantizers: FC1 and FC2_DGRAD on
+# the engine, FC1_DGRAD (and FC2 without a bias) on its plain GEMM, the weight gradients on CUTLASS
+# (experts of ~750 rows) or on the engine's bf16 wgrad (~125 rows, operands.WGRAD_ENGINE_ROWS).
+MXFP8_KERNELS = {
+    "mixtral_like": {"fc1", "fc2_dgrad", "grouped_gemm", "cutlass_wgrad"},
+    "qwen3_like": {"fc1", "fc2_dgrad", "grouped_gemm", "wgrad"},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_mxfp8_on_the_bf16_kernels(case, monkeypatch):
+    """mxfp8's step on the kernels the bf16 path runs (the Gluon engine, CUTLASS) against the same
+    step on the Triton kernels (MOEMLP_GLUON=0 and no CUTLASS): h, y and dx bit for bit (the engine
+    gives the Triton kernels' bits: one K-ordered chain a tile, FC2_DGRAD's 128-deep promotion), the
+    weight gradients and dprobs within their summation-order bounds (module docstring)."""
+    from moemlp.kernels import gluon, operands
+    from test_triton_backend import gpu_problem
+
+    name, (E, H, F, rows, empty, cap, kw) = case
+    t, cfg = gpu_problem(E, H, F, rows, empty, cap, **kw)
+    cfg = with_recipe(cfg, "mxfp8")
+    args = (t["splits"], t["probs"], t["fc1_weight"], t["fc2_weight"], t["fc1_bias"], t["fc2_bias"])
+    ran = set()
+
+    def recorded(fn_name, fn):
+        return lambda *a, **k: ran.add(fn_name) or fn(*a, **k)
+
+    for fn_name in ("fc1", "fc2_dgrad", "grouped_gemm", "wgrad"):
+        monkeypatch.setattr(gluon, fn_name, recorded(fn_name, getattr(gluon, fn_name)))
+    monkeypatch.setattr(operands, "_cutlass_wgrad", recorded("cutlass_wgrad", operands._cutlass_wgrad))
+
+    def step():
+        y, h = K.grouped_mlp_fwd(t["x"], *args, cfg)
+        return (y, h) + tuple(K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, (True,) * 6))
+
+    ours = step()
+    assert ran == MXFP8_KERNELS[name], ran
+    monkeypatch.setenv("MOEMLP_GLUON", "0")
+    monkeypatch.setattr(operands, "_cutlass_wgrad_ok", lambda *a: False)
+    ran.clear()
+    triton = step()
+    assert ran == set(), ran
+    for what, a, b in zip(("y", "h") + GRADS, ours, triton):
+        if a is None:
+            assert b is None, what
+        elif what in ("y", "h", "dx", "db1", "db2"):
+            assert torch.equal(a, b), f"{what}: {int((a != b).sum())} elements differ from the Triton kernels'"
+        else:
+            limit = DPROBS_RTOL[False] if what == "dprobs" else ORDER_RTOL["cuda"]
+            assert _rel(a, b) <= limit, (what, _rel(a, b))

@@ -20,8 +20,10 @@ quantizes both operands along its reduction dim, one of two ways:
   can be skipped: ``moemlp.quantize_weights`` holds both layouts of each weight, and the forward
   builds its Weights from them (``cached_weights``).
 * emulated (mxfp8, nvfp4): the bf16 kernels run on each operand's dequantized values
-  code·block_scale in bf16; nvfp4's per-tensor factors (1/S_enc of each operand) multiply the fp32
-  accumulator (ACC_SCALE, their product taken by the launcher) before any epilogue. A
+  code·block_scale in bf16. mxfp8's values go where bf16 tensors go (the Gluon engine, CUTLASS's
+  weight gradients: ``_bf16_values``); nvfp4's per-tensor factors (1/S_enc of each operand)
+  multiply the fp32 accumulator (the Triton kernels' ACC_SCALE, their product taken by the
+  launcher) before any epilogue. A
   ``quantize.dequantized*`` pass stores the values first (docs/DECISIONS.md: forming them in the
   GEMM's load path was slower); a weight's two orientations (blocks along its columns for the
   forward, along its rows for the dgrad) are two passes, both of which ``moemlp.quantize_weights``
@@ -381,7 +383,7 @@ def gemm_on(
     engine = engine_kernel(kind, a_op, b_op, weight, out=out, bias=bias, h=h, z=z, cfg=cfg)
     if engine == "fc2_dgrad":
         return gluon.fc2_dgrad(
-            a_op.a, weight.w, splits, h, out, z=z, probs=probs, dprobs_partials=dprobs_partials,
+            a_op.a, _fc2_dgrad_w2(weight, b_op, cfg), splits, h, out, z=z, probs=probs, dprobs_partials=dprobs_partials,
             glu_interleave=cfg.glu_interleave, activation_id=cfg.activation.kernel_id, params=params,
         )  # fmt: skip
     if engine == "fc2_dgrad_fp8":
@@ -391,7 +393,7 @@ def gemm_on(
             dy_scale=a_op.scales, w2_scale=_tile_scales(b_op, N, K),
         )  # fmt: skip
     if engine == "fc1":
-        scales = {} if cfg.recipe is None else dict(x_scale=a_op.scales, w1_scale=_tile_scales(b_op, N1, K))
+        scales = {} if not is_native(cfg.recipe) else dict(x_scale=a_op.scales, w1_scale=_tile_scales(b_op, N1, K))
         gluon.fc1(a_op.a, b_op.b, splits, out, z=z, bias=bias, probs=probs, glu_interleave=cfg.glu_interleave,
                   activation_id=cfg.activation.kernel_id, params=params, **scales)  # fmt: skip
         return None
@@ -418,14 +420,17 @@ def engine_kernel(kind: str, a_op: ActOperand, b_op: WeightOperand, weight: Weig
     epilogue on bf16 ("fc2_dgrad") and on fp8_block's codes ("fc2_dgrad_fp8"), and fp8_block's FC2
     without a bias and FC1_DGRAD ("grouped_gemm_fp8"), and bf16's FC2 without a bias and FC1_DGRAD
     on large experts ("grouped_gemm", ``_engine_plain``), where ``_gluon_on`` and
-    ``gluon.*_supports`` allow. The Triton kernels give the same bits (tests/kernels/test_gluon_*.py)."""
-    if not _gluon_on(a_op.a) or (cfg.recipe is not None and not is_native(cfg.recipe)):
+    ``gluon.*_supports`` allow. An emulated recipe's bf16 values without a per-tensor factor
+    (mxfp8's; ``_bf16_values``) take the bf16 choices, with its fp32 z and g_h. The Triton kernels
+    give the same bits (tests/kernels/test_gluon_*.py)."""
+    plain = _bf16_values(a_op, b_op, cfg)
+    if not _gluon_on(a_op.a) or (cfg.recipe is not None and not is_native(cfg.recipe) and not plain):
         return ""
     if kind == "fc1":
         return "fc1" if _engine_fc1(a_op, b_op, out, z, bias, cfg) else ""
-    if cfg.recipe is None:
+    if plain:
         if kind == "fc2_dgrad":
-            return "fc2_dgrad" if _engine_fc2_dgrad(a_op.a, weight.w, h, out, z, cfg) else ""
+            return "fc2_dgrad" if _engine_fc2_dgrad(a_op.a, _fc2_dgrad_w2(weight, b_op, cfg), h, out, z, cfg) else ""
         if kind in ("fc2", "fc1_dgrad") and bias is None and _engine_plain(a_op.a, b_op, out):
             return "grouped_gemm"
         return ""
@@ -437,6 +442,23 @@ def engine_kernel(kind: str, a_op: ActOperand, b_op: WeightOperand, weight: Weig
     if kind in ("fc2", "fc1_dgrad") and bias is None and not gluon.fp8_supports(a_op.a, b_op.b, out):
         return "grouped_gemm_fp8"
     return ""
+
+
+def _bf16_values(a_op: ActOperand, b_op: WeightOperand, cfg) -> bool:
+    """Whether a GEMM's operands are plain values that the bf16 kernels take as they are: no recipe,
+    or an emulated recipe's dequantized values with no per-tensor factor to apply to the
+    accumulator (mxfp8; nvfp4's 1/S_enc needs the Triton kernels' ACC_SCALE). SPEC §3: a bf16
+    tensor-core product with fp32 accumulation of those values is the recipe's GEMM."""
+    if cfg.recipe is None:
+        return True
+    return not is_native(cfg.recipe) and a_op.factor is None and b_op.factor is None
+
+
+def _fc2_dgrad_w2(weight: Weight, b_op: WeightOperand, cfg) -> Tensor:
+    """W2 as the engine's bf16 FC2_DGRAD reads it, (E, H, F): the weight itself (contiguous, or the
+    transposed view of a contiguous (E, F, H)), or an emulated recipe's dgrad values, which the
+    dequantizer stores contiguous in W2's shape."""
+    return weight.w if cfg.recipe is None else b_op.b
 
 
 # bf16 FC1 on the engine's ping-pong tiles up to this K (H): there its 128 × 128 tiles overlap each
@@ -453,7 +475,7 @@ def _engine_fc1(a_op: ActOperand, b_op: WeightOperand, h: Tensor, z: Optional[Te
     """Whether FC1 runs on the engine (``gluon.fc1``): fp8_block's codes, or bf16 where it takes
     cooperative tiles or K ≤ FC1_ENGINE_MAX_K, a contiguous bias, and the operands
     ``gluon.fc1_supports`` takes."""
-    if cfg.recipe is None and a_op.a.shape[1] > FC1_ENGINE_MAX_K:
+    if not is_native(cfg.recipe) and a_op.a.shape[1] > FC1_ENGINE_MAX_K:
         fp32_z = z is not None and z.dtype == torch.float32
         if not gluon.fc1_cooperative(a_op.a.shape[0], b_op.b.shape[0], False, fp32_z, cfg.glu_interleave):
             return False
@@ -504,13 +526,15 @@ def _engine_plain(a: Tensor, b_op: WeightOperand, out: Tensor) -> bool:
 
 def _engine_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, g_h: Tensor, z: Optional[Tensor], cfg) -> bool:
     """Whether FC2_DGRAD runs on the warp-specialized Gluon engine (kernels/gluon/_fc2_dgrad.py): bf16
-    without a recipe, swiglu or clamped_swiglu, on an sm_90 GPU whose triton has Gluon's Hopper API,
-    unless MOEMLP_GLUON=0. Elsewhere the Triton kernel runs, which gives the same g_h and z bits
-    (its dprobs partials differ only in their summation order)."""
+    dy and W2 (no recipe, or an emulated recipe's values: ``_bf16_values``), swiglu or
+    clamped_swiglu, g_h and z contiguous bf16 or fp32 (a recipe's, through the staged epilogue),
+    on an sm_90 GPU whose triton has Gluon's Hopper API, unless MOEMLP_GLUON=0. Elsewhere the Triton
+    kernel runs, which gives the same g_h and z bits (its dprobs partials differ only in their
+    summation order)."""
     if not _gluon_on(dy):
         return False
-    for out in (g_h, z):  # written with h's row stride, as bf16
-        if out is not None and (out.dtype != torch.bfloat16 or not out.is_contiguous()):
+    for out in (g_h, z):  # written with h's row stride
+        if out is not None and (out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous()):
             return False
     return not gluon.fc2_dgrad_supports(dy, w2, h, cfg.activation.kernel_id, cfg.glu)
 
@@ -565,9 +589,7 @@ def wgrad(
     # the recipe's operands first (quantized along the rows), then the launches
     native = is_native(recipe)
     db = torch.empty_like(bias) if bias is not None else None
-    engine = recipe is None and x is not None and wgrad_engine(g, x, splits, dw_dtype)
-    cutlass = recipe is None and x is not None and not engine and _cutlass_wgrad_ok(g, x, dw_dtype)
-    dw = None if x is None or native or cutlass or engine else _empty_dw(g, x, splits, dw_dtype)
+    g_v, x_v, factors = g, x, ()  # the dW launch's operands: the tensors, or an emulated recipe's values
     g_op = x_op = None
     if recipe is not None and x is not None:
         rows = (blocks or WgradBlocks(splits, g.shape[0], recipe)).get()
@@ -575,36 +597,37 @@ def wgrad(
             g_op = kq.quantize_wgrad(g, splits, recipe, is_grad=True, transposed=True, blocks=rows)
             x_op = kq.quantize_wgrad(x, splits, recipe, is_grad=False, transposed=True, blocks=rows)
         else:
-            g_op = kq.dequantized_wgrad(
+            g_v, g_factor = kq.dequantized_wgrad(
                 g, splits, recipe, is_grad=True, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows
             )
-            x_op = kq.dequantized_wgrad(
+            x_v, x_factor = kq.dequantized_wgrad(
                 x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows
             )
+            factors = (g_factor, x_factor)
+    # Plain values (no recipe, or mxfp8's: no per-tensor factor on dW) take the bf16 path's kernels.
+    plain = x is not None and not native and all(f is None for f in factors)
+    engine = plain and wgrad_engine(g_v, x_v, splits, dw_dtype)
+    cutlass = plain and not engine and _cutlass_wgrad_ok(g_v, x_v, dw_dtype)
     config = launch.default_config("wgrad", 0, 0, False, dtype.itemsize)
-    if recipe is None:
-        if cutlass or engine:
-            dw = gluon.wgrad(g, x, splits, dw_dtype) if engine else _cutlass_wgrad(g, x, splits)
-            if db is not None:
-                launch.launch_grouped_wgrad(
-                    g=g, x=None, splits=splits, dw=None, db=db, config=config, probs=probs, scale_b=scale_bias
-                )
-        elif dw is not None or db is not None:
-            launch.launch_grouped_wgrad(
-                g=g, x=x, splits=splits, dw=dw, db=db, config=config, probs=probs, scale_b=scale_bias
-            )
-        return dw, db
+    # Without a recipe db is Σ g (· probs), in the Triton dW launch where one runs; under a recipe it
+    # comes from g rounded to the compute dtype, unquantized, in a launch of its own.
+    db_in_dw = recipe is None and not (engine or cutlass)
+    dw = None
     if native and x is not None:
         dw = fp8_wgrad(g_op, x_op, splits, g.shape[0], dw_dtype)
+    elif engine or cutlass:
+        dw = gluon.wgrad(g_v, x_v, splits, dw_dtype) if engine else _cutlass_wgrad(g_v, x_v, splits)
     elif x is not None:
-        (g_values, g_factor), (x_values, x_factor) = g_op, x_op
-        launch.launch_grouped_wgrad(
-            g=g_values, x=x_values, splits=splits, dw=dw, db=None, config=config, acc_factors=(g_factor, x_factor)
-        )
-    if db is not None:
-        launch.launch_grouped_wgrad(
-            g=g.to(dtype), x=None, splits=splits, dw=None, db=db, config=config, probs=probs, scale_b=scale_bias
-        )
+        dw = _empty_dw(g, x, splits, dw_dtype)
+        if recipe is not None:
+            launch.launch_grouped_wgrad(g=g_v, x=x_v, splits=splits, dw=dw, db=None, config=config,
+                                        acc_factors=factors)  # fmt: skip
+    if db_in_dw and (dw is not None or db is not None):
+        launch.launch_grouped_wgrad(g=g, x=x, splits=splits, dw=dw, db=db, config=config, probs=probs,
+                                    scale_b=scale_bias)  # fmt: skip
+    elif db is not None:
+        launch.launch_grouped_wgrad(g=g if recipe is None else g.to(dtype), x=None, splits=splits, dw=None, db=db,
+                                    config=config, probs=probs, scale_b=scale_bias)  # fmt: skip
     return dw, db
 
 
