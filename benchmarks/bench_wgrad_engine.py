@@ -65,9 +65,9 @@ def _sweep_launch(g, x, splits, stages, group_n, bk=None, out_dtype=torch.bfloat
     c_desc = TensorDescriptor.from_tensor(c2d, [bm, bn], L._smem_layout((bm, bn), out_dtype == torch.float32))
     tiles = E * -(-N // bm) * -(-K // bn)
     grid = (min(L._num_sms(g.device.index or 0), tiles),)
-    wgrad_kernel[grid](g_desc, x_desc, c_desc, c2d, splits, E, T, N, K, BM=bm, BN=bn, BK=bk, STAGES=stages,
-                       GROUP_N=group_n, E_BLOCK=max(32, 1 << (E - 1).bit_length()), num_warps=NUM_WARPS,
-                       maxnreg=MAXNREG)  # fmt: skip
+    wgrad_kernel[grid](g_desc, x_desc, c_desc, c2d, None, splits, E, T, N, K, BM=bm, BN=bn, BK=bk, STAGES=stages,
+                       GROUP_N=group_n, E_BLOCK=max(32, 1 << (E - 1).bit_length()), ACC_SCALE=False,
+                       num_warps=NUM_WARPS, maxnreg=MAXNREG)  # fmt: skip
     return out
 
 

@@ -190,3 +190,41 @@ def check_fp8_consumers(sass: str, usage: str, consumer_regs: int = 232, produce
         assert in_loops == 0 and total <= tile_spills, f"{in_loops} local accesses in the K loops, {total} in all"
         return
     assert local == 0 and not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
+
+
+def op_counts(sass: str, *ops: str) -> dict[str, int]:
+    """How many instructions of each SASS opcode in ``ops`` (any modifiers: "FMUL" counts FMUL.FTZ too)."""
+    import re
+
+    return {op: len(re.findall(rf"\b{op}\b", sass)) for op in ops}
+
+
+def check_acc_scale(off: tuple[str, str], on: tuple[str, str], elements: int, fused: bool = False) -> None:
+    """An engine kernel with its accumulator factor (ACC_SCALE) against the same kernel without it,
+    ``off`` and ``on`` each (SASS, cuobjdump -res-usage): the factor loaded once by each of the two
+    consumer warpgroups (two global loads more), then multiplied onto each of the ``elements``
+    accumulator values that the consumers' code holds a thread (both partitions' SASS): one FMUL each,
+    or with ``fused`` (a bias added next) the multiply and the add contracted into one FFMA each, as
+    the Triton kernel compiles them; the tensor-core instructions unchanged, no register more in
+    local memory, and at most 168 registers at launch."""
+    import re
+
+    ops = ("LDG", "FMUL", "FFMA", "FADD", "STL", "LDL")
+    (sass_off, usage_off), (sass_on, usage_on) = off, on
+    c_off, c_on = op_counts(sass_off, *ops), op_counts(sass_on, *ops)
+    delta = {op: c_on[op] - c_off[op] for op in ops}
+    assert delta["LDG"] == 2, delta
+    expected = (0, elements, -elements) if fused else (elements, 0, 0)
+    assert (delta["FMUL"], delta["FFMA"], delta["FADD"]) == expected, (delta, c_off)
+
+    def mmas(sass):
+        return [m.group(1) for m in re.finditer(r"\b([HQ]GMMA\.\S+)", sass)]
+
+    assert mmas(sass_on) == mmas(sass_off)
+    assert delta["STL"] <= 0 and delta["LDL"] <= 0, delta
+
+    def usage(text, what):
+        return int(re.search(rf"{what}:(\d+)", text).group(1))
+
+    assert usage(usage_on, "LOCAL") <= usage(usage_off, "LOCAL"), (usage_on, usage_off)
+    assert usage(usage_on, "REG") <= 168, usage_on

@@ -6,6 +6,7 @@ bits)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -19,7 +20,7 @@ needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks:
 
 
 def _compile_sm90(G: int, act: int, probs: str, z: str, bias: bool, scaled: bool = True, e_block: int = 128,
-                  coop: bool = False, store_z: bool = True):
+                  coop: bool = False, store_z: bool = True, acc_scale: bool = False):
     from moemlp.kernels.gluon import _engine, _fc1
 
     gl = _compat.gl
@@ -37,14 +38,17 @@ def _compile_sm90(G: int, act: int, probs: str, z: str, bias: bool, scaled: bool
 
     constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_M=_launch.GROUP_M, E_BLOCK=e_block, G=G, ACT=act,
                       HAS_BIAS=bias, HAS_PROBS=True, STORE_Z=store_z, SCALED=scaled,
-                      A_PARTS=2 if scaled or coop else 1)
+                      A_PARTS=2 if scaled or coop else 1, ACC_SCALE=acc_scale)
     z_ty = gl.float32 if z == "fp32" else gl.bfloat16
     sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN // 2, BK]), "h_desc": desc([BM, BN // 2], "bf16", gl.bfloat16),
            "z_desc": desc([BM, BN // 2], z, z_ty), "h_ptr": "*bf16", "z_ptr": f"*{z}",
-           "bias_ptr": "*bf16", "probs_ptr": f"*{probs}", "a_scale_ptr": "*fp32", "stride_asm": "i32",
+           "bias_ptr": "*bf16", "probs_ptr": f"*{probs}", "acc_scale_ptr": "*fp32", "a_scale_ptr": "*fp32",
+           "stride_asm": "i32",
            "stride_ask": "i32", "b_scale_ptr": "*fp32", "stride_bse": "i32", "stride_bsn": "i32",
            "stride_bsk": "i32", "splits_ptr": "*i32", "E": "i32", "M": "i32", "N": "i32", "K": "i32", "N1": "i32",
            "p0": "fp32", "p1": "fp32", "p2": "fp32"}  # fmt: skip
+    if not acc_scale:
+        constexprs["acc_scale_ptr"] = None  # the launcher's argument with the factor off
     sig.update({name: "constexpr" for name in constexprs})
     divisible = ("h_ptr", "z_ptr", "bias_ptr", "probs_ptr", "splits_ptr", "N", "K", "N1")
     return compile_gluon_sm90(_fc1.fc1_kernel, sig, constexprs, divisible, _engine.NUM_WARPS, _engine.MAXNREG)
@@ -148,6 +152,62 @@ def test_offline_sm90_compile_bf16_cooperative(G, act, probs, bias, store_z):
     assert _launch.STAGES_COOP * stage + tiles <= shared <= 227 * 1024, shared
 
 
+@functools.cache
+def _triton_fc1_contracts() -> bool:
+    """Whether the Triton kernel's FC1, as an nvfp4 step runs it at mixtral's shape (bf16 values,
+    bias, fp32 probs and z, gate / up halves) compiled for sm_90, contracts each accumulator value's
+    factor multiply with its bias add into one fma (True) or keeps a multiply and an add (False);
+    anything else fails here."""
+    from _sm90 import compile_sm90, op_counts
+    from moemlp.kernels.gemm import grouped, launch
+
+    F, H = 1408, 1024
+    cfg = launch.default_config("fc1", F, H, True, 2, emulated=True)
+    ptr = {name: "*bf16" for name in ("a_ptr", "b_ptr", "out_ptr", "h_ptr", "bias_ptr")}
+    ptr.update(splits_ptr="*i64", probs_ptr="*fp32", z_ptr="*fp32")
+    desc = {"a_desc": f"tensordesc<bf16[{cfg.BM}, {cfg.BK}]>", "b_desc": f"tensordesc<bf16[1, {cfg.BN}, {cfg.BK}]>"}
+    counts = []
+    for acc_scale in (False, True):
+        const = dict(EPILOGUE=0, ACT=ACTIVATIONS["swiglu"].kernel_id, GLU=True, HAS_PROBS=True, HAS_BIAS=True,
+                     SCALE_BIAS=False, STORE_Z=True, STORE_PARTIAL=False, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+                     GROUP_M=cfg.GROUP_M, E_BLOCK=32, INTERPRETED=False, DOT_PRECISION="tf32", USE_TMA=True,
+                     B_KMAJOR=True, SUBTILE=cfg.SUBTILE, PROMOTE=False, FP8=False, ACC_SCALE=acc_scale,
+                     B_SCALE_SCALAR=False, PAIRED=False, G=F)  # fmt: skip
+        sass = compile_sm90(grouped.grouped_gemm_kernel, const, ptr, desc, cfg.num_warps, cfg.num_stages)[1]
+        counts.append(op_counts(sass, "FMUL", "FFMA", "FADD"))
+    delta = tuple(counts[1][op] - counts[0][op] for op in ("FMUL", "FFMA", "FADD"))
+    # 128 × 256 gate and up accumulators over 256 threads: 128 values a thread
+    assert delta in ((0, 128, -128), (128, 0, 0)), (delta, counts[0])
+    return delta[0] == 0
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "G, act, probs, z, bias, coop",
+    [
+        pytest.param(768, 0, "fp32", "fp32", False, False, id="qwen3-nvfp4"),  # fp32 z: ping-pong tiles
+        pytest.param(1408, 0, "fp32", "fp32", True, False, id="mixtral-nvfp4-bias"),
+        pytest.param(64, 1, "bf16", "bf16", True, False, id="clamped-G64-bias-bf16z"),
+        pytest.param(768, 0, "fp32", "bf16", False, True, id="cooperative"),
+    ],
+)
+def test_offline_sm90_compile_acc_scale(G, act, probs, z, bias, coop):
+    """bf16 FC1 with the accumulator factor (nvfp4's, ``fc1(acc_scale=...)``): each consumer loads it
+    once and multiplies each of its accumulator values by it before the epilogue, with the mainloop,
+    registers and no spill of the kernel without it. With a bias the multiply and the bias add after
+    it compile as the Triton kernel's do, both into one fma or both apart (h's bits would differ
+    otherwise: one rounding of acc·f + b1 or two); triton 3.6 and 3.9 contract them, by their
+    default FP fusion."""
+    from _sm90 import check_acc_scale
+
+    off = _compile_sm90(G, act, probs, z, bias, scaled=False, coop=coop)
+    on = _compile_sm90(G, act, probs, z, bias, scaled=False, coop=coop, acc_scale=True)
+    # a consumer's 128 × 128 (ping-pong) or 64 × 256 (cooperative) accumulator over its 128 threads
+    check_acc_scale(off[:2], on[:2], 2 * 128, fused=bias and _triton_fc1_contracts())
+    # shared memory: the same ring and tiles; the pointer's handoff to a partition may round up 16 bytes
+    assert off[2] <= on[2] <= min(off[2] + 16, 227 * 1024), (on[2], off[2])
+
+
 def _codes(*shape):
     return torch.zeros(*shape).to(torch.float8_e4m3fn)
 
@@ -239,6 +299,27 @@ def test_gpu_cooperative_matches_the_triton_kernel(splits_list, M, H, F, G, acti
     _check_against_triton(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, False, True)
 
 
+# bf16 with nvfp4's accumulator factor: (cases of GPU_CASES and COOP_CASES, cooperative)
+ACC_SCALE_CASES = [
+    pytest.param(*GPU_CASES[0].values, False, id="mixtral-like-fp32z"),  # nvfp4's FC1: fp32 z, ping-pong tiles
+    pytest.param(*GPU_CASES[1].values, False, id="G64-bias-odd-H"),  # a bias: acc·f + b1
+    pytest.param(*COOP_CASES[1].values, True, id="cooperative-G128-bias-odd-H"),
+    pytest.param(*GPU_CASES[3].values, False, id="all-capacity"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, cooperative",
+                         ACC_SCALE_CASES)  # fmt: skip
+def test_gpu_acc_scale_matches_the_triton_kernel(splits_list, M, H, F, G, activation, params, bias, probs_dtype,
+                                                 z_dtype, cooperative):  # fmt: skip
+    """``acc_scale`` (nvfp4's product of 1/S_enc) against the Triton kernel's ACC_SCALE on the same
+    bf16 values: h and z bit for bit (the factor's multiply and a bias add compile alike in both,
+    test_offline_sm90_compile_acc_scale)."""
+    _check_against_triton(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, False, cooperative,
+                          acc_scale=True)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "change, words",
     [
@@ -273,7 +354,8 @@ def test_cooperative_by_default_on_large_experts():
     assert not fc1_cooperative(8 * rows, 8, True, False, 128)  # fp8_block
 
 
-def _check_against_triton(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, fp8, cooperative):
+def _check_against_triton(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, fp8, cooperative,
+                          acc_scale=False):  # fmt: skip
     from moemlp._config import MLPConfig
     from moemlp.kernels import operands
     from moemlp.kernels.gemm import launch
@@ -298,13 +380,17 @@ def _check_against_triton(splits_list, M, H, F, G, activation, params, bias, pro
     z = None if z_dtype is None else torch.full((M, F), float("nan"), device=dev, dtype=z_dtype)
     assert fc1_supports(a_op.a, b_op.b, h, z, spec.kernel_id, True, G) == ""
     scales = dict(x_scale=a_op.scales, w1_scale=operands._tile_scales(b_op, 2 * F, H)) if fp8 else {}
+    # nvfp4's factors: a product of two, neither a power of two, on the device
+    f = launch._product((torch.tensor(3.7e-3, device=dev), torch.tensor(81.37, device=dev))) if acc_scale else None
+    if acc_scale:
+        scales["acc_scale"] = f
     fc1(a_op.a, b_op.b, splits, h, z=z, bias=b1, probs=probs, glu_interleave=G, activation_id=spec.kernel_id,
         params=pp, cooperative=cooperative, **scales)  # fmt: skip
     h_t, z_t = torch.empty_like(h), None if z is None else torch.empty_like(z)
     launch.launch_grouped_gemm(
         "fc1", a=a_op.a, b=b_op.b, b_strides=b_op.strides, splits=splits, out=h_t, N=F, K=H, N1=2 * F,
         cfg=MLPConfig(spec, tuple(params), G, False), probs=probs, bias=b1, z=z_t, a_scales=a_op.scales,
-        b_scales=b_op.scales, b_scale_strides=b_op.scale_strides,
+        b_scales=b_op.scales, b_scale_strides=b_op.scale_strides, acc_factors=(f,),
     )  # fmt: skip
     torch.cuda.synchronize()
     routed = min(sum(splits_list), M)

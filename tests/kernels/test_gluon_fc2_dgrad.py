@@ -17,10 +17,11 @@ needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks:
 
 
 def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str, a_parts: int = 1, scaled: bool = False,
-                  regs: bool = False, epi: bool = False):
+                  regs: bool = False, epi: bool = False, acc_scale: bool = False):
     """Compiles the fused FC2_DGRAD for sm_90 without a GPU; returns (sass, -res-usage, shared bytes).
     ``scaled``: fp8_block's kernel (e4m3 codes, 128-deep scaled steps, fp32 g_h and z); ``epi``: the
-    epilogue warpgroup beside the cooperative consumers."""
+    epilogue warpgroup beside the cooperative consumers; ``acc_scale``: g_z times a factor read from
+    memory (nvfp4's)."""
     from moemlp.kernels.gluon import _engine, _fc2_dgrad
 
     gl = _compat.gl
@@ -37,15 +38,17 @@ def _compile_sm90(b_kmajor: bool, G: int, act: int, probs: str, a_parts: int = 1
     constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_M=_launch.GROUP_M, E_BLOCK=128,
                       B_KMAJOR=b_kmajor, CW=_launch.DGRAD_CW, G=G, CHAIN=chain, ACT=act, HAS_PROBS=True,
                       STORE_Z=True, STORE_PARTIAL=True, A_PARTS=a_parts, SCALED=scaled, REGS=regs,
-                      EPI_WG=epi)  # fmt: skip
+                      EPI_WG=epi, ACC_SCALE=acc_scale)  # fmt: skip
     out_desc = desc([BM, BN], "bf16", gl.bfloat16)
     sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN, BK] if b_kmajor else [BK, BN]), "h_desc": out_desc,
            "gh_desc": out_desc, "z_desc": out_desc, "h_ptr": "*bf16",
            "gh_ptr": f"*{out}", "z_ptr": f"*{out}", "probs_ptr": f"*{probs}", "part_ptr": "*fp32",
-           "a_scale_ptr": "*fp32", "stride_asm": "i32", "stride_ask": "i32", "b_scale_ptr": "*fp32",
-           "stride_bse": "i32", "stride_bsn": "i32", "stride_bsk": "i32",
+           "acc_scale_ptr": "*fp32", "a_scale_ptr": "*fp32", "stride_asm": "i32", "stride_ask": "i32",
+           "b_scale_ptr": "*fp32", "stride_bse": "i32", "stride_bsn": "i32", "stride_bsk": "i32",
            "splits_ptr": "*i32", "E": "i32", "M": "i32", "N": "i32", "K": "i32", "N1": "i32",
            "p0": "fp32", "p1": "fp32", "p2": "fp32"}  # fmt: skip
+    if not acc_scale:
+        constexprs["acc_scale_ptr"] = None  # the launcher's argument with the factor off
     sig.update({name: "constexpr" for name in constexprs})
     divisible = ("h_ptr", "gh_ptr", "z_ptr", "probs_ptr", "part_ptr", "splits_ptr", "N", "K", "N1")
     return compile_gluon_sm90(_fc2_dgrad.fc2_dgrad_kernel, sig, constexprs, divisible, _engine.NUM_WARPS,
@@ -149,6 +152,36 @@ def test_offline_sm90_compile_epilogue_warpgroup(b_kmajor, G, act, spills):
     assert local <= (96 if spills else 8), f"{local} local-memory accesses"
     stage = (2 * _launch.BM_PROMOTED + _launch.BN) * _launch.BK * 2
     assert _launch.STAGES * stage + 2 * _launch.BM_PROMOTED * _launch.BN * 4 <= shared <= 227 * 1024, shared
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "b_kmajor, G, act, a_parts, regs, epi",
+    [
+        pytest.param(False, 768, 0, 1, False, False, id="pingpong-staged"),  # qwen3 / mixtral under nvfp4
+        pytest.param(True, 1, 1, 1, False, False, id="pingpong-staged-interleaved-T"),  # gpt-oss
+        pytest.param(False, 768, 0, 2, False, False, id="cooperative-staged"),
+        pytest.param(False, 768, 0, 2, True, False, id="cooperative-regs"),
+        pytest.param(False, 768, 0, 2, False, True, id="cooperative-epilogue-warpgroup"),
+    ],
+)
+def test_offline_sm90_compile_acc_scale(b_kmajor, G, act, a_parts, regs, epi):
+    """bf16 FC2_DGRAD with the accumulator factor (nvfp4's, ``fc2_dgrad(acc_scale=...)``) on every
+    epilogue form: each consumer loads it once and multiplies each value of its promoted g_z by it
+    before the epilogue reads g_z (the staged and register epilogues through _tile_loop, the epilogue
+    warpgroup's handoff in _handoff_consumer), with the mainloop and registers of the kernel without
+    it and no spill more."""
+    from _sm90 import check_acc_scale
+    from moemlp.kernels.gluon import _engine
+
+    off = _compile_sm90(b_kmajor, G, act, "fp32", a_parts, regs=regs, epi=epi)
+    on = _compile_sm90(b_kmajor, G, act, "fp32", a_parts, regs=regs, epi=epi, acc_scale=True)
+    # each consumer's 64 × 128 g_z over its 128 threads
+    check_acc_scale(off[:2], on[:2], 2 * 64)
+    if epi:
+        assert int(re.search(r"REG:(\d+)", on[1]).group(1)) <= _engine.EPI_MAXNREG, on[1]
+    # shared memory: the same ring and tiles; the pointer's handoff to a partition may round up 16 bytes
+    assert off[2] <= on[2] <= min(off[2] + 16, 227 * 1024), (on[2], off[2])
 
 
 @needs_gluon
@@ -311,6 +344,78 @@ def test_fc2_dgrad_gpu(splits_list, M, H, F, activation, params, G, transposed, 
     if cooperative:  # the same 64-column chunks of the same products: the ping-pong kernel's partials
         same = engine(False, "staged" if epilogue == "warpgroup" else epilogue)[2]
         assert torch.equal(same, part), "the cooperative tiles' dprobs partials differ from ping-pong's"
+
+
+# (cooperative, epilogue, g_h and z dtype): nvfp4's FC2_DGRAD stores fp32 g_h and z (the staged
+# epilogue, on ping-pong or cooperative tiles); the register epilogue and the epilogue warpgroup in bf16
+ACC_SCALE_MODES = [
+    pytest.param(False, "staged", torch.float32, id="pingpong-staged-fp32"),
+    pytest.param(True, "staged", torch.float32, id="cooperative-staged-fp32"),
+    pytest.param(False, "regs", torch.bfloat16, id="pingpong-regs"),
+    pytest.param(True, "regs", torch.bfloat16, id="cooperative-regs"),
+    pytest.param(True, "warpgroup", torch.float32, id="cooperative-warpgroup-fp32"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cooperative, epilogue, out_dtype", ACC_SCALE_MODES)
+@pytest.mark.parametrize(
+    "splits_list, M, H, F, activation, params, G, transposed",
+    [
+        pytest.param([300, 0, 5, 250, 100], 700, 256, 256, "swiglu", (), 128, False,
+                     id="ragged-capacity-G128"),  # an empty expert, a 5-row one, 45 capacity rows
+        pytest.param([131, 257, 1, 389], 778, 320, 136, "clamped_swiglu", (7.0, 1.702, 1.0), 1, True,
+                     id="gptoss-like"),  # gate / up column by column, W2 read transposed
+    ],
+)  # fmt: skip
+def test_gpu_acc_scale_matches_the_triton_kernel(splits_list, M, H, F, activation, params, G, transposed,
+                                                 cooperative, epilogue, out_dtype, engine_runs):  # fmt: skip
+    """``acc_scale`` (nvfp4's product of 1/S_enc) against the Triton kernel's ACC_SCALE on the same
+    bf16 values, on every epilogue form: g_z is the promoted total times the factor before any of
+    them reads it, so g_h and z are the Triton kernel's bit for bit and dprobs is f·Σ g_z·a within
+    SPEC's 1e-6."""
+    from moemlp._config import MLPConfig
+    from moemlp.kernels import operands
+    from moemlp.kernels.gemm import launch
+    from moemlp.kernels.gluon import fc2_dgrad
+
+    if epilogue == "regs" and G % _launch.BN:
+        pytest.skip("the register epilogue takes G a multiple of 128")
+    torch.manual_seed(0)
+    dev = "cuda"
+    E = len(splits_list)
+    spec = ACTIVATIONS[activation]
+    dy = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
+    h = (2 * torch.randn(M, 2 * F, device=dev)).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, F, device=dev) * H**-0.5).to(torch.bfloat16)
+    if transposed:
+        w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    splits = torch.tensor(splits_list, device=dev, dtype=torch.int32)
+    probs = torch.rand(M, device=dev)
+    pp = tuple(params) + (0.0,) * (3 - len(params))
+    f = launch._product((torch.tensor(3.7e-3, device=dev), torch.tensor(81.37, device=dev)))
+    g_h = torch.full((M, 2 * F), float("nan"), device=dev, dtype=out_dtype)
+    z = torch.full((M, F), float("nan"), device=dev, dtype=out_dtype)
+    part = fc2_dgrad(dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True, glu_interleave=G,
+                     activation_id=spec.kernel_id, params=pp, cooperative=cooperative,
+                     register_epilogue=epilogue == "regs", epilogue_warpgroup=epilogue == "warpgroup",
+                     acc_scale=f)  # fmt: skip
+    (W2,) = operands.weights((w2,), None)
+    g_h_t, z_t = torch.empty_like(g_h), torch.empty_like(z)
+    launch.launch_grouped_gemm("fc2_dgrad", a=dy, b=W2.dgrad().b, b_strides=W2.dgrad().strides, splits=splits,
+                               out=g_h_t, N=F, K=H, N1=2 * F, cfg=MLPConfig(spec, tuple(params), G, False),
+                               emulated=True, probs=probs, z=z_t, h=h, acc_factors=(f,))  # fmt: skip
+    dprobs = torch.empty(M, device=dev)
+    launch.launch_dprobs_reduce(partial=part, dy=dy, fc2_bias=None, splits=splits, dprobs=dprobs, bias_term=False)
+    torch.cuda.synchronize()
+    ref, routed = _dprobs_float64(dy, w2, h, splits, F, G, activation, params)
+    for name, got, want in (("g_h", g_h, g_h_t), ("z", z, z_t)):
+        assert not torch.isnan(got).any(), f"{name} left unwritten"
+        assert torch.equal(got, want), f"{int((got != want).sum())} {name} elements differ from the Triton kernel's"
+        assert torch.equal(got[routed:], torch.zeros_like(got[routed:])), f"capacity rows of {name}"
+    ref = ref * f.double()
+    err = float(torch.linalg.vector_norm(dprobs[:routed].double() - ref) / torch.linalg.vector_norm(ref))
+    assert err <= 1e-6, err
 
 
 @pytest.mark.parametrize("name", ["cooperative", "register_epilogue", "epilogue_warpgroup"])

@@ -18,9 +18,10 @@ BM, BN, BK, STAGES, GROUP_M = 128, 128, 64, 4, 8
 
 
 def _compile_sm90(e_block: int, splits_dtype: str, b_kmajor: bool = True, out_fp32: bool = False,
-                  promote: int = 0, coop: bool = False):
+                  promote: int = 0, coop: bool = False, acc_scale: bool = False):
     """Compiles the engine for sm_90 without a GPU; returns (sass, cuobjdump -res-usage, shared bytes).
-    coop: the launcher's cooperative tiles, 2 × 64 × 256 (2 × 64 × 128 promoted)."""
+    coop: the launcher's cooperative tiles, 2 × 64 × 256 (2 × 64 × 128 promoted). acc_scale: the
+    accumulator times a factor read from memory (nvfp4's; off, the launcher passes None for it)."""
     from moemlp.kernels.gluon import _engine, _launch
 
     gl = _compat.gl
@@ -37,10 +38,12 @@ def _compile_sm90(e_block: int, splits_dtype: str, b_kmajor: bool = True, out_fp
     else:
         bm, bn, stages = (64 if promote else BM), BN, (3 if out_fp32 and not promote else STAGES)
     constexprs = dict(BM=bm, BN=bn, BK=BK, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=b_kmajor,
-                      PROMOTE=promote // BK, A_PARTS=2 if coop else 1)
+                      PROMOTE=promote // BK, A_PARTS=2 if coop else 1, ACC_SCALE=acc_scale)
     sig = {"a_desc": desc([bm, BK]), "b_desc": desc([bn, BK] if b_kmajor else [BK, bn]),
-           "c_desc": desc([bm, bn], c), "c_ptr": f"*{c}",
+           "c_desc": desc([bm, bn], c), "c_ptr": f"*{c}", "acc_scale_ptr": "*fp32",
            "splits_ptr": f"*{splits_dtype}", "E": "i32", "M": "i32", "N": "i32", "K": "i32"}
+    if not acc_scale:
+        constexprs["acc_scale_ptr"] = None
     sig.update({name: "constexpr" for name in constexprs})
     return compile_gluon_sm90(_engine.grouped_gemm_kernel, sig, constexprs, ("c_ptr", "splits_ptr", "N", "K"),
                               _engine.NUM_WARPS, _engine.MAXNREG)
@@ -116,6 +119,32 @@ def test_offline_sm90_compile_cooperative(b_kmajor, promote):
     assert (192 if promote else 208) * 1024 <= shared <= 227 * 1024, shared
 
 
+@needs_gluon
+@pytest.mark.parametrize(
+    "b_kmajor, out_fp32, promote, coop",
+    [
+        pytest.param(True, False, 0, False, id="nk-pingpong"),
+        pytest.param(True, False, 0, True, id="nk-coop"),  # FC2 without a bias under nvfp4
+        pytest.param(False, False, 0, True, id="kn-coop"),  # FC1_DGRAD's dx under nvfp4
+        pytest.param(False, True, 128, False, id="kn-fp32-promoted"),
+    ],
+)
+def test_offline_sm90_compile_acc_scale(b_kmajor, out_fp32, promote, coop):
+    """The accumulator factor (nvfp4's product of 1/S_enc, ``grouped_gemm(acc_scale=...)``): each
+    consumer loads it once and multiplies each accumulator value by it before the store's rounding,
+    on every tile shape, with the mainloop, registers and shared memory of the kernel without it."""
+    from _sm90 import check_acc_scale
+
+    off = _compile_sm90(32, "i32", b_kmajor, out_fp32, promote, coop)
+    on = _compile_sm90(32, "i32", b_kmajor, out_fp32, promote, coop, acc_scale=True)
+    # a consumer's accumulator: 128 × 128 (ping-pong), 64 × 256 (cooperative), 64 × 128 (promoted)
+    # fp32 values over its 128 threads
+    per_thread = (64 * 128 if promote else 128 * 128) // 128
+    check_acc_scale(off[:2], on[:2], 2 * per_thread)
+    # shared memory: the same ring and tiles; the pointer's handoff to a partition may round up 16 bytes
+    assert off[2] <= on[2] <= min(off[2] + 16, 227 * 1024), (on[2], off[2])
+
+
 def test_compat_reports_what_is_missing():
     missing = _compat.missing()
     assert isinstance(missing, list)
@@ -155,6 +184,61 @@ def test_cooperative_is_checked(opts, error, words):
     t = torch.zeros(64, 64, dtype=torch.bfloat16)
     with pytest.raises(error, match=re.escape(words)):
         grouped_gemm(t, t.view(1, 64, 64), torch.zeros(1, dtype=torch.int32), **opts)
+
+
+def _launch_on_cpu(launcher: str, **kw):
+    """One of the engine's bf16 launchers on small CPU tensors of valid shapes, with ``kw`` added."""
+    from moemlp.kernels import gluon
+
+    bf = dict(dtype=torch.bfloat16)
+    t, splits = torch.zeros(64, 128, **bf), torch.zeros(1, dtype=torch.int32)
+    if launcher == "grouped_gemm":
+        return gluon.grouped_gemm(t, torch.zeros(1, 64, 128, **bf), splits, **kw)
+    if launcher == "wgrad":
+        return gluon.wgrad(t, t, splits, **kw)
+    common = dict(probs=None, glu_interleave=64, activation_id=0, params=(0.0, 0.0, 0.0))
+    if launcher == "fc1":
+        return gluon.fc1(t, torch.zeros(1, 128, 128, **bf), splits, t, z=None, bias=None, **common, **kw)
+    return gluon.fc2_dgrad(t, torch.zeros(1, 128, 64, **bf), splits, t, torch.zeros_like(t), z=None,
+                           dprobs_partials=False, **common, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("launcher", ["grouped_gemm", "fc1", "fc2_dgrad", "wgrad"])
+@pytest.mark.parametrize(
+    "acc_scale, error, words",
+    [
+        pytest.param(torch.ones((), dtype=torch.float64), TypeError, "acc_scale must be float32", id="fp64"),
+        pytest.param(torch.ones((), dtype=torch.bfloat16), TypeError, "acc_scale must be float32", id="bf16"),
+        pytest.param(torch.ones(1), ValueError, "acc_scale must be a 0-d tensor", id="shape-1"),
+        pytest.param(2.0, TypeError, "acc_scale must be a 0-d float32 tensor or None", id="python-float"),
+        pytest.param(torch.ones((), device="meta"), ValueError, "acc_scale must be on the operands' device",
+                     id="other-device"),
+    ],
+)
+def test_acc_scale_is_checked(launcher, acc_scale, error, words):
+    """The accumulator factor of the bf16 launchers is one fp32 value on the operands' device, read
+    by the kernel: anything else is refused by name before anything is launched (here on the CPU,
+    before the operands' own device checks)."""
+    with pytest.raises(error, match=re.escape(words)):
+        _launch_on_cpu(launcher, acc_scale=acc_scale)
+
+
+@pytest.mark.parametrize("launcher", ["fc1", "fc2_dgrad"])
+def test_acc_scale_refused_beside_fp8_scales(launcher):
+    """fp8_block's codes carry their own scales; a factor beside them is a ValueError naming both."""
+    from moemlp.kernels import gluon
+
+    codes, splits = torch.zeros(64, 128).to(torch.float8_e4m3fn), torch.zeros(1, dtype=torch.int32)
+    h = torch.zeros(64, 128, dtype=torch.bfloat16)
+    common = dict(probs=None, glu_interleave=64, activation_id=0, params=(0.0, 0.0, 0.0), acc_scale=torch.ones(()))
+    with pytest.raises(ValueError, match="acc_scale multiplies a bf16 accumulator"):
+        if launcher == "fc1":
+            gluon.fc1(codes, torch.zeros(1, 128, 128).to(torch.float8_e4m3fn), splits, h, z=None, bias=None,
+                      x_scale=torch.ones(64, 1), w1_scale=torch.ones(1, 1, 1), **common)  # fmt: skip
+        else:
+            w2 = torch.zeros(1, 64, 128).to(torch.float8_e4m3fn).transpose(1, 2)  # (E, H, F) view of (E, F, H)
+            gluon.fc2_dgrad(codes, w2, splits, h, torch.zeros_like(h), z=None, dprobs_partials=False,
+                            dy_scale=torch.ones(64, 1), w2_scale=torch.ones(1, 1, 1), **common)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -289,3 +373,55 @@ def test_grouped_gemm_gpu(splits_list, M, N, K, b_layout, out_dtype, splits_dtyp
         pingpong = grouped_gemm(a, operand, splits, **dict(opts, cooperative=False))
         torch.cuda.synchronize()
         assert torch.equal(got, pingpong), (got.double() - pingpong.double()).abs().max().item()
+
+
+# (b_layout, cooperative): FC2 (nk) and FC1_DGRAD (kn) as the MLP runs them, and ping-pong tiles
+ACC_SCALE_VARIANTS = [
+    pytest.param("nk", True, id="nk-coop"),
+    pytest.param("kn", True, id="kn-coop"),
+    pytest.param("nk", False, id="nk-pingpong"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_layout, cooperative", ACC_SCALE_VARIANTS)
+@pytest.mark.parametrize(
+    "splits_list, M, N, K",
+    [
+        CASES[0],  # an empty expert
+        CASES[7],  # masked stores at every expert's end
+        pytest.param([100, 50, 60], 300, 136, 128, id="capacity"),  # 90 capacity rows; K whole steps (kn)
+    ],
+)
+def test_grouped_gemm_gpu_acc_scale_matches_the_triton_kernel(splits_list, M, N, K, b_layout, cooperative,
+                                                              engine_runs):
+    """``acc_scale`` (nvfp4's product of 1/S_enc) on the engine against the Triton kernel's ACC_SCALE
+    (``acc_factors``) on the same bf16 values: the same K-ordered chain a tile, the same one fp32
+    multiply before the rounding, so the same bits; capacity rows 0."""
+    from moemlp.kernels.gemm import launch
+    from moemlp.kernels.gluon import grouped_gemm
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    E = len(splits_list)
+    a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16) / K**0.5
+    splits = torch.tensor(splits_list, device=dev, dtype=torch.int32)
+    # two factors' product, as operands.gemm_on takes nvfp4's: neither a power of two
+    f = launch._product((torch.tensor(3.7e-3, device=dev), torch.tensor(0.8137, device=dev)))
+    if b_layout == "nk":
+        operand, strides, kind = b, (N * K, K, 1), "fc2"
+    else:  # (E, K, N): the same B_e read in place, as FC1_DGRAD reads W1
+        operand, strides, kind = b.transpose(1, 2).contiguous(), (K * N, 1, N), "fc1_dgrad"
+    out = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
+    grouped_gemm(a, operand, splits, out=out, b_layout=b_layout, cooperative=cooperative, acc_scale=f)
+    ref = torch.empty_like(out)
+    launch.launch_grouped_gemm(kind, a=a, b=operand, b_strides=strides, splits=splits, out=ref, N=N, K=K, N1=N,
+                               cfg=None, emulated=True, acc_factors=(f,))  # fmt: skip
+    torch.cuda.synchronize()
+    routed = min(sum(max(s, 0) for s in splits_list), M)
+    assert not torch.isnan(out).any(), "rows left unwritten"
+    assert torch.equal(out, ref), f"{int((out != ref).sum())} of {out.numel()} elements differ from the Triton kernel's"
+    assert torch.equal(out[routed:], torch.zeros_like(out[routed:]))
+    unscaled = grouped_gemm(a, operand, splits, b_layout=b_layout, cooperative=cooperative)
+    assert not torch.equal(out[:routed], unscaled[:routed]), "the factor was not applied"

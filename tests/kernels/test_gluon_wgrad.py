@@ -123,7 +123,7 @@ def test_gpu_matches_the_triton_kernel(splits_list, T, N, K, out_dtype):
 # ---- bf16 weight gradients (moemlp.kernels.gluon.wgrad) ----
 
 
-def _compile_bf16_sm90(out_fp32: bool, rows_per_expert: int):
+def _compile_bf16_sm90(out_fp32: bool, rows_per_expert: int, acc_scale: bool = False):
     from moemlp.kernels.gluon import _engine, _wgrad
 
     gl = _compat.gl
@@ -135,9 +135,13 @@ def _compile_bf16_sm90(out_fp32: bool, rows_per_expert: int):
         return f"tensordesc<{dtype}[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, ty)!r}>"
 
     c = "fp32" if out_fp32 else "bf16"
-    constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_N=_launch.WGRAD_GROUP_N, E_BLOCK=128)
+    constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_N=_launch.WGRAD_GROUP_N, E_BLOCK=128,
+                      ACC_SCALE=acc_scale)
     sig = {"g_desc": desc([BK, BM], "bf16"), "x_desc": desc([BK, BN], "bf16"), "c_desc": desc([BM, BN], c),
-           "c_ptr": f"*{c}", "splits_ptr": "*i32", "E": "i32", "T": "i32", "N": "i32", "K": "i32"}
+           "c_ptr": f"*{c}", "acc_scale_ptr": "*fp32", "splits_ptr": "*i32", "E": "i32", "T": "i32", "N": "i32",
+           "K": "i32"}
+    if not acc_scale:
+        constexprs["acc_scale_ptr"] = None  # the launcher's argument with the factor off
     sig.update({name: "constexpr" for name in constexprs})
     sig = {name: sig[name] for name in _wgrad.wgrad_kernel.arg_names}
     sass, usage, shared = compile_gluon_sm90(_wgrad.wgrad_kernel, sig, constexprs, ("c_ptr", "splits_ptr", "N", "K"),
@@ -174,6 +178,29 @@ def test_bf16_offline_sm90_compile(out_fp32, rows_per_expert):
     stage = (_launch.WGRAD_BM + _launch.WGRAD_BN) * BK * 2
     tiles = 2 * _launch.WGRAD_BM * _launch.WGRAD_BN * (4 if out_fp32 else 2)
     assert stages * stage + tiles <= shared <= 227 * 1024, shared
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "out_fp32, rows_per_expert",
+    [
+        pytest.param(False, 128, id="bf16-dW"),  # qwen3's dW1 and dW2 under nvfp4
+        pytest.param(True, 128, id="fp32-dW-64-row-steps"),
+        pytest.param(True, 256, id="fp32-dW-32-row-steps"),
+    ],
+)
+def test_bf16_offline_sm90_compile_acc_scale(out_fp32, rows_per_expert):
+    """The bf16 weight gradient with dW's factor (nvfp4's, ``wgrad(acc_scale=...)``): each consumer
+    loads it once and multiplies each accumulator value by it before the store's rounding, with the
+    mainloop, registers and shared memory of the kernel without it."""
+    from _sm90 import check_acc_scale
+
+    off = _compile_bf16_sm90(out_fp32, rows_per_expert)
+    on = _compile_bf16_sm90(out_fp32, rows_per_expert, acc_scale=True)
+    # each consumer's 128 × 128 tile of dW over its 128 threads
+    check_acc_scale(off[:2], on[:2], 2 * 128)
+    # shared memory: the same ring and tiles; the pointer's handoff to a partition may round up 16 bytes
+    assert off[2] <= on[2] <= min(off[2] + 16, 227 * 1024), (on[2], off[2])
 
 
 @pytest.mark.parametrize(
@@ -254,6 +281,35 @@ def test_bf16_gpu_matches_the_triton_kernel(splits_list, T, N, K, out_dtype):
             assert (dw[e] == 0).all(), f"expert {e} has no rows: dW must be 0"
         start = end
     assert torch.equal(wgrad(g, x, splits, out_dtype), dw), "two runs on the same inputs differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("splits_list, T, N, K", [BF16_GPU_CASES[1], BF16_GPU_CASES[4]])
+def test_bf16_gpu_acc_scale_matches_the_triton_kernel(splits_list, T, N, K, out_dtype):
+    """dW's factor (nvfp4's product of 1/S_enc, ``wgrad(acc_scale=...)``) against the Triton kernel's
+    ACC_SCALE (``acc_factors``) on the same bf16 values: the same chained accumulator times the same
+    fp32 factor before the one rounding, so the same bits; an empty expert's dW 0."""
+    from moemlp.kernels.gemm import launch
+    from moemlp.kernels.gluon import wgrad, why_unavailable
+
+    if why_unavailable():
+        pytest.skip(why_unavailable())
+    torch.manual_seed(0)
+    g = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    splits = torch.tensor(splits_list, device="cuda", dtype=torch.int64)
+    f = launch._product((torch.tensor(3.7e-3, device="cuda"), torch.tensor(81.37, device="cuda")))
+    dw = wgrad(g, x, splits, out_dtype, acc_scale=f)
+    ref = torch.empty_like(dw)
+    launch.launch_grouped_wgrad(g=g, x=x, splits=splits, dw=ref, db=None, acc_factors=(f,),
+                                config=launch.default_config("wgrad", 0, 0, False, 2))  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(dw, ref), f"{int((dw != ref).sum())} of {dw.numel()} dW elements differ from the Triton kernel's"
+    assert not torch.equal(dw, wgrad(g, x, splits, out_dtype)), "the factor was not applied"
+    for e, rows in enumerate(splits_list):
+        if rows <= 0:
+            assert (dw[e] == 0).all(), f"expert {e} has no rows: dW must be 0"
 
 
 @pytest.mark.gpu

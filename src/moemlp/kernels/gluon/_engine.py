@@ -463,7 +463,8 @@ def _store_zeros(c_desc, c_smem, m0, n0, acc_layout: gl.constexpr, BM: gl.conste
 def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K,
                WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, PROMOTE: gl.constexpr,
-               A_PARTS: gl.constexpr, SCALED: gl.constexpr, scale_args, B_PARTS: gl.constexpr, G: gl.constexpr):
+               A_PARTS: gl.constexpr, SCALED: gl.constexpr, scale_args, B_PARTS: gl.constexpr, G: gl.constexpr,
+               ACC_SCALE: gl.constexpr = False, acc_scale_ptr=None):
     """One consumer warpgroup's tiles, every kernel on the engine. Ping-pong (A_PARTS = 1): this CTA's
     j-th tile is warpgroup j % 2's, BM rows, the mainloops taken in turn. Cooperative (A_PARTS = 2):
     every tile is 2·BM rows, and warpgroup WG takes rows WG·BM on of each, both issuing wgmma at once
@@ -475,7 +476,11 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
     kernel's outputs, sizes and constexprs. SCALED: the FP8 blockwise mainloop (``_mainloop_scaled``),
     ``scale_args`` = (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn,
     stride_bsk). B_PARTS = 2: FC1's GLU tiles (``_producer``), BN / 2 output columns each, the
-    accumulator's first BN / 2 columns the gates and the rest their ups; n0 counts output columns."""
+    accumulator's first BN / 2 columns the gates and the rest their ups; n0 counts output columns.
+    ACC_SCALE: the fp32 scalar at ``acc_scale_ptr`` multiplies each real tile's accumulator before
+    the epilogue sees it, ``acc * f`` in fp32 (nvfp4's per-tensor factors) as the Triton kernels'
+    ACC_SCALE does, the same bits (where FC1 adds a bias next, both compile the two into one fma:
+    _fc1.py); capacity tiles store zeros either way."""
     TILE_M: gl.constexpr = BM * A_PARTS
     TILE_N: gl.constexpr = BN // B_PARTS
     COOP: gl.constexpr = A_PARTS == 2
@@ -504,6 +509,9 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
         step: gl.constexpr = 2
         row0: gl.constexpr = 0
         part: gl.constexpr = 0
+    if ACC_SCALE:
+        # One scalar for the whole launch: loaded once, not in every tile's epilogue path.
+        factor = gl.load(acc_scale_ptr)
     turns = 0
     for j in range(first, my_tiles, step):
         t = pid + j * nprog
@@ -545,6 +553,8 @@ def _tile_loop(epilogue, capacity, args, a_ring, b_ring, ready, empty, turn, spl
                     mbarrier.arrive(turn.index(1 - WG))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            if ACC_SCALE:
+                acc = acc * factor
             epilogue(acc, e, m0 + row0, n0, row_end, (j - first) // step, WG, args)
         else:
             cap = t - real_tiles
@@ -572,13 +582,13 @@ def _plain_capacity(m0, n0, WG: gl.constexpr, args):
 
 
 @gluon.jit
-def _consumer(a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
-              turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+def _consumer(a_desc, b_desc, c_desc, c_ptr, acc_scale_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready,
+              empty, turn, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
               STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr,
-              PROMOTE: gl.constexpr, A_PARTS: gl.constexpr):
+              PROMOTE: gl.constexpr, A_PARTS: gl.constexpr, ACC_SCALE: gl.constexpr):
     _tile_loop(_plain_epilogue, _plain_capacity, (c_desc, c_ptr, c_tiles, M, N, BM, BN), a_ring, b_ring, ready,
                empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE,
-               A_PARTS, False, (0,), 1, 1)
+               A_PARTS, False, (0,), 1, 1, ACC_SCALE, acc_scale_ptr)
 
 
 @gluon.jit
@@ -612,6 +622,7 @@ def grouped_gemm_kernel(
     b_desc,  # B_KMAJOR: (E·N, K) bf16, B (E, N, K) stacked along rows, block [BN, BK]; else (E·K, N), block [BK, BN]
     c_desc,  # (M, N) bf16 or fp32; block [BM, BN]
     c_ptr,  # (M, N), the same tensor as c_desc, for the masked store of expert-boundary tiles
+    acc_scale_ptr,  # ACC_SCALE: 0-d fp32 factor of the accumulator (nvfp4's 1/S_enc product); else None
     splits_ptr,  # (E,) int32 or int64 rows per expert, on the device
     E,
     M,
@@ -626,6 +637,7 @@ def grouped_gemm_kernel(
     B_KMAJOR: gl.constexpr,  # B (E, N, K) (True) or (E, K, N) (False)
     PROMOTE: gl.constexpr,  # > 0: each PROMOTE·BK-deep product added to the fp32 total by itself (BM = 64: registers)
     A_PARTS: gl.constexpr,  # 1: ping-pong BM-row tiles; 2: cooperative 2·BM-row tiles (_tile_loop)
+    ACC_SCALE: gl.constexpr,  # the accumulator times *acc_scale_ptr before it is rounded and stored
 ):
     a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR, A_PARTS)
     c_tiles = gl.allocate_shared_memory(c_desc.dtype, [2, BM, BN], c_desc.layout)
@@ -633,10 +645,12 @@ def grouped_gemm_kernel(
     # The argument tuples are written out in the call: a tuple bound to a name first would turn its
     # constexprs into runtime values. Both consumers run _consumer, warpgroup 0 as the default partition.
     warp_specialize([
-        (_consumer, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
-                     turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE, A_PARTS)),
-        (_consumer, (a_desc, b_desc, c_desc, c_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles, ready, empty,
-                     turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE, A_PARTS)),
+        (_consumer, (a_desc, b_desc, c_desc, c_ptr, acc_scale_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles,
+                     ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE, A_PARTS,
+                     ACC_SCALE)),
+        (_consumer, (a_desc, b_desc, c_desc, c_ptr, acc_scale_ptr, splits_ptr, E, M, N, K, a_ring, b_ring, c_tiles,
+                     ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, PROMOTE, A_PARTS,
+                     ACC_SCALE)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                      GROUP_M, E_BLOCK, B_KMAJOR, A_PARTS, 1, 1, N)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -4,7 +4,10 @@
     z    = act(gate, up) · p          from the fp32 h, rounded once to z's dtype
 
 The GLU kinds swiglu (0) and clamped_swiglu (1) from _glu.py, operation for operation as the Triton
-kernel's epilogue (kernels/gemm/epilogue.py, FC1).
+kernel's epilogue (kernels/gemm/epilogue.py, FC1). With ACC_SCALE (bf16: nvfp4's values) the fp32
+accumulator is first multiplied by the factor at ``acc_scale_ptr`` (``_engine._tile_loop``), as the
+Triton kernel's ACC_SCALE multiplies it; with a bias both kernels' compilers contract that product
+and the bias add into one fma (offline sm_90 compiles of both, tests/kernels/test_gluon_fc1.py).
 
 A tile is 64 output columns f of z: its B block is W1's 64 gate rows of those columns and their 64 up
 rows (``_engine._glu_rows``: h interleaves gate and up in blocks of G columns, G a multiple of 64),
@@ -186,21 +189,23 @@ def _fc1_capacity(m0, n0, WG: gl.constexpr, args):
 
 
 @gluon.jit
-def _consumer(a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, stride_asm,
-              stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2,
-              a_ring, b_ring, h_tiles, z_tiles, ready, empty, turn, WG: gl.constexpr, BM: gl.constexpr,
+def _consumer(a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, acc_scale_ptr, a_scale_ptr,
+              stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0,
+              p1, p2, a_ring, b_ring, h_tiles, z_tiles, ready, empty, turn, WG: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
               E_BLOCK: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
-              HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, SCALED: gl.constexpr, A_PARTS: gl.constexpr):
+              HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, SCALED: gl.constexpr, A_PARTS: gl.constexpr,
+              ACC_SCALE: gl.constexpr):
     # fp8_block: cooperative tiles (A_PARTS = 2) and the scaled mainloop (PROMOTE is not read there);
-    # bf16: ping-pong or cooperative tiles, one unpromoted chain a tile (PROMOTE = 0).
+    # bf16: ping-pong or cooperative tiles, one unpromoted chain a tile (PROMOTE = 0), times the
+    # accumulator factor (ACC_SCALE) before the epilogue.
     _tile_loop(_fc1_epilogue, _fc1_capacity,
                (h_desc, z_desc, h_tiles, z_tiles, h_ptr, z_ptr, bias_ptr, probs_ptr, M, N, N1, p0, p1, p2, BM, BN,
                 G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS),
                a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK,
                True, SCALED, A_PARTS, SCALED,
                (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk),
-               2, G)  # fmt: skip
+               2, G, ACC_SCALE, acc_scale_ptr)  # fmt: skip
 
 
 @gluon.jit
@@ -213,6 +218,7 @@ def fc1_kernel(
     z_ptr,
     bias_ptr,  # (E, N1) fc1_bias (HAS_BIAS)
     probs_ptr,  # (M,) fp32 / bf16 / fp16 (HAS_PROBS)
+    acc_scale_ptr,  # ACC_SCALE: 0-d fp32 factor of the accumulator (nvfp4's 1/S_enc product); else None
     # SCALED: (M, ⌈H/128⌉) fp32 1×128 scales of x's codes, row m's of K block kb at m·stride_asm + kb·stride_ask
     a_scale_ptr,
     stride_asm,
@@ -244,8 +250,10 @@ def fc1_kernel(
     STORE_Z: gl.constexpr,
     SCALED: gl.constexpr,  # fp8_block's codes and scales
     A_PARTS: gl.constexpr,  # 2: cooperative 2·BM-row tiles (fp8_block, or bf16); 1: ping-pong BM-row tiles (bf16)
+    ACC_SCALE: gl.constexpr,  # bf16: h's fp32 accumulator times *acc_scale_ptr before the bias and the GLU
 ):
     gl.static_assert((A_PARTS == 2) | (not SCALED), "fp8_block on cooperative tiles")
+    gl.static_assert(not (ACC_SCALE and SCALED), "an accumulator factor on bf16 values only")
     gl.static_assert(h_desc.block_type.shape[1] == BN // 2, "h's and z's blocks: a tile's output columns")
     a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, True, A_PARTS)
     # Each consumer's shared tiles: h's gate and up halves (fp8_block: 2·WG, 2·WG + 1; bf16: one tile, WG,
@@ -261,14 +269,14 @@ def fc1_kernel(
     # The argument tuples are written out in the call: a tuple bound to a name first would turn its
     # constexprs into runtime values.
     warp_specialize([
-        (_consumer, (a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, stride_asm,
-                     stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1,
-                     p2, a_ring, b_ring, h_tiles, z_tiles, ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M,
-                     E_BLOCK, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS)),
-        (_consumer, (a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, a_scale_ptr, stride_asm,
-                     stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1,
-                     p2, a_ring, b_ring, h_tiles, z_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M,
-                     E_BLOCK, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS)),
+        (_consumer, (a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, acc_scale_ptr, a_scale_ptr,
+                     stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K,
+                     N1, p0, p1, p2, a_ring, b_ring, h_tiles, z_tiles, ready, empty, turn, 0, BM, BN, BK, STAGES,
+                     GROUP_M, E_BLOCK, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS, ACC_SCALE)),
+        (_consumer, (a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, acc_scale_ptr, a_scale_ptr,
+                     stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K,
+                     N1, p0, p1, p2, a_ring, b_ring, h_tiles, z_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES,
+                     GROUP_M, E_BLOCK, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS, ACC_SCALE)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                      GROUP_M, E_BLOCK, True, A_PARTS, 2, G, N1)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

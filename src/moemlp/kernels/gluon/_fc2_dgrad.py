@@ -7,7 +7,10 @@
 
 Under fp8_block (SCALED) dy and W2 are e4m3 codes with their 1×128 and 128×128 scales, g_z the sum
 of the scaled 128-deep products (_engine._mainloop_scaled), and g_h and z are stored in fp32, the
-unrounded values the recipe quantizes for dx, dW1 and dW2 (kernels/mlp.py).
+unrounded values the recipe quantizes for dx, dW1 and dW2 (kernels/mlp.py). On bf16 values with
+ACC_SCALE (nvfp4's) g_z is the promoted total times the factor at ``acc_scale_ptr``, multiplied before
+any epilogue form reads it: in ``_engine._tile_loop`` for the staged and the register epilogue, in
+``_handoff_consumer`` before the handoff to the epilogue warpgroup.
 
 a = act(gate, up) from the stored h upcast to fp32; the GLU kinds swiglu (0) and clamped_swiglu (1),
 written operation for operation as kernels/gemm/activations.py writes them.
@@ -293,31 +296,33 @@ def _dgrad_capacity(m0, n0, WG: gl.constexpr, args):
 
 
 @gluon.jit
-def _consumer(a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, a_scale_ptr,
-              stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K, N1,
-              p0, p1, p2, a_ring, b_ring, g_tiles, hg_tiles, z_tiles, h_bars, ready, empty, turn, WG: gl.constexpr,
-              BM: gl.constexpr, BN: gl.constexpr,
+def _consumer(a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, acc_scale_ptr,
+              a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M,
+              N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles, hg_tiles, z_tiles, h_bars, ready, empty, turn,
+              WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, E_BLOCK: gl.constexpr,
               B_KMAJOR: gl.constexpr, CW: gl.constexpr, G: gl.constexpr, CHAIN: gl.constexpr, ACT: gl.constexpr,
               HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, STORE_PARTIAL: gl.constexpr, A_PARTS: gl.constexpr,
-              SCALED: gl.constexpr, REGS: gl.constexpr):
+              SCALED: gl.constexpr, REGS: gl.constexpr, ACC_SCALE: gl.constexpr):
+    # g_z times the accumulator factor (ACC_SCALE) in _tile_loop, before either epilogue form reads it.
     _tile_loop(_dgrad_epilogue, _dgrad_capacity,
                (g_tiles, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, M, N, N1, p0, p1, p2, BM, BN, CW, G, ACT,
                 HAS_PROBS, STORE_Z, STORE_PARTIAL, REGS, h_desc, gh_desc, z_desc, hg_tiles, z_tiles, h_bars),
                a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK,
                B_KMAJOR, CHAIN, A_PARTS, SCALED,
                (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk),
-               1, 1)  # fmt: skip
+               1, 1, ACC_SCALE, acc_scale_ptr)  # fmt: skip
 
 
 @gluon.jit
-def _handoff_consumer(splits_ptr, E, M, N, K, a_ring, b_ring, g_tiles, g_full, g_empty, ready, empty, WG: gl.constexpr,
-                      BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                      E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, CHAIN: gl.constexpr):
+def _handoff_consumer(splits_ptr, acc_scale_ptr, E, M, N, K, a_ring, b_ring, g_tiles, g_full, g_empty, ready, empty,
+                      WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                      E_BLOCK: gl.constexpr, B_KMAJOR: gl.constexpr, CHAIN: gl.constexpr, ACC_SCALE: gl.constexpr):
     """EPI_WG: consumer warpgroup WG of the cooperative tiles. It runs only mainloops: each real
-    tile's fp32 g_z (its 64 rows) goes to its shared tile once the epilogue warpgroup has read the
-    previous one (``g_empty``), and ``g_full`` (both consumers) hands it over. It needs no tile's
-    coordinates, only how many real tiles this CTA takes: they come first in its tile order."""
+    tile's fp32 g_z (its 64 rows; ACC_SCALE: times the factor, as _tile_loop scales it) goes to its
+    shared tile once the epilogue warpgroup has read the previous one (``g_empty``), and ``g_full``
+    (both consumers) hands it over. It needs no tile's coordinates, only how many real tiles this CTA
+    takes: they come first in its tile order."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
     n_tiles = gl.cdiv(N, BN)
@@ -326,9 +331,13 @@ def _handoff_consumer(splits_ptr, E, M, N, K, a_ring, b_ring, g_tiles, g_full, g
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     g_smem = g_tiles.index(WG)
+    if ACC_SCALE:
+        factor = gl.load(acc_scale_ptr)
     for j in range(gl.cdiv(gl.maximum(real_tiles - pid, 0), nprog)):
         acc, it = _mainloop_promoted_single(a_ring, b_ring, ready, empty, j * k_steps, k_steps, acc_layout, BM,
                                             BN, STAGES, B_KMAJOR, CHAIN, 2, WG)
+        if ACC_SCALE:
+            acc = acc * factor
         mbarrier.wait(g_empty, (j & 1) ^ 1)  # a fresh mbarrier passes parity 1: the first tile waits for nothing
         g_smem.store(acc)
         mbarrier.arrive(g_full)  # (an arrive is one thread's, after the warpgroup's barrier)
@@ -380,6 +389,7 @@ def fc2_dgrad_kernel(
     z_ptr,  # (M, F) bf16 or fp32, written (STORE_Z)
     probs_ptr,  # (M,) fp32 / bf16 / fp16 (HAS_PROBS)
     part_ptr,  # (cdiv(F, BN), M) fp32 dprobs partials, written (STORE_PARTIAL)
+    acc_scale_ptr,  # ACC_SCALE: 0-d fp32 factor of the accumulator (nvfp4's 1/S_enc product); else None
     # SCALED: (M, ⌈H/128⌉) fp32 1×128 scales of dy's codes, row m's of K block kb at m·stride_asm + kb·stride_ask
     a_scale_ptr,
     stride_asm,
@@ -418,8 +428,10 @@ def fc2_dgrad_kernel(
     # an epilogue-only warpgroup beside the two consumers of cooperative tiles (bf16, staged epilogue):
     # launched with 16 warps and EPI_MAXNREG (_handoff_consumer, _epilogue_partition)
     EPI_WG: gl.constexpr,
+    ACC_SCALE: gl.constexpr,  # bf16: g_z = the accumulator times *acc_scale_ptr, before every epilogue form reads it
 ):
     gl.static_assert(not (REGS and SCALED), "the register epilogue is bf16's")
+    gl.static_assert(not (ACC_SCALE and SCALED), "an accumulator factor on bf16 values only")
     a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, B_KMAJOR, A_PARTS)
     if EPI_WG:
         gl.static_assert(A_PARTS == 2 and not SCALED and not REGS, "the epilogue warpgroup: cooperative bf16, staged")
@@ -431,10 +443,10 @@ def fc2_dgrad_kernel(
         mbarrier.init(g_full, count=2)  # both consumers' halves
         mbarrier.init(g_empty, count=1)
         warp_specialize([
-            (_handoff_consumer, (splits_ptr, E, M, N, K, a_ring, b_ring, g_tiles_e, g_full, g_empty, ready, empty, 0,
-                                 BM, BN, BK, STAGES, E_BLOCK, B_KMAJOR, CHAIN)),
-            (_handoff_consumer, (splits_ptr, E, M, N, K, a_ring, b_ring, g_tiles_e, g_full, g_empty, ready, empty, 1,
-                                 BM, BN, BK, STAGES, E_BLOCK, B_KMAJOR, CHAIN)),
+            (_handoff_consumer, (splits_ptr, acc_scale_ptr, E, M, N, K, a_ring, b_ring, g_tiles_e, g_full, g_empty,
+                                 ready, empty, 0, BM, BN, BK, STAGES, E_BLOCK, B_KMAJOR, CHAIN, ACC_SCALE)),
+            (_handoff_consumer, (splits_ptr, acc_scale_ptr, E, M, N, K, a_ring, b_ring, g_tiles_e, g_full, g_empty,
+                                 ready, empty, 1, BM, BN, BK, STAGES, E_BLOCK, B_KMAJOR, CHAIN, ACC_SCALE)),
             (_epilogue_partition, (h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr, splits_ptr, E, M, N, N1, p0, p1, p2,
                                    g_tiles_e, g_full, g_empty, BM, BN, GROUP_M, E_BLOCK, CW, G, ACT, HAS_PROBS,
                                    STORE_Z, STORE_PARTIAL)),
@@ -462,15 +474,15 @@ def fc2_dgrad_kernel(
         # its constexprs into runtime values.
         warp_specialize([
             (_consumer, (a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr,
-                         a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk,
-                         splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles, hg_tiles, z_tiles, h_bars,
-                         ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G, CHAIN, ACT,
-                         HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS, SCALED, REGS)),
+                         acc_scale_ptr, a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn,
+                         stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles, hg_tiles,
+                         z_tiles, h_bars, ready, empty, turn, 0, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW,
+                         G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS, SCALED, REGS, ACC_SCALE)),
             (_consumer, (a_desc, b_desc, h_desc, gh_desc, z_desc, h_ptr, gh_ptr, z_ptr, probs_ptr, part_ptr,
-                         a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk,
-                         splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles, hg_tiles, z_tiles, h_bars,
-                         ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW, G, CHAIN, ACT,
-                         HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS, SCALED, REGS)),
+                         acc_scale_ptr, a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn,
+                         stride_bsk, splits_ptr, E, M, N, K, N1, p0, p1, p2, a_ring, b_ring, g_tiles, hg_tiles,
+                         z_tiles, h_bars, ready, empty, turn, 1, BM, BN, BK, STAGES, GROUP_M, E_BLOCK, B_KMAJOR, CW,
+                         G, CHAIN, ACT, HAS_PROBS, STORE_Z, STORE_PARTIAL, A_PARTS, SCALED, REGS, ACC_SCALE)),
             (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                          GROUP_M, E_BLOCK, B_KMAJOR, A_PARTS, 1, 1, N)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -150,6 +150,21 @@ def _check(a: torch.Tensor, b: torch.Tensor, splits: torch.Tensor, out: torch.Te
             raise ValueError("grouped_gemm: out must be contiguous and start on a 16-byte boundary")
 
 
+def _check_acc_scale(where: str, acc_scale, device: torch.device) -> None:
+    """The accumulator factor of a bf16 launch (nvfp4's product of 1/S_enc): None, or a 0-d fp32
+    tensor on the operands' device, read by the kernel (never on the host)."""
+    if acc_scale is None:
+        return
+    if not isinstance(acc_scale, torch.Tensor):
+        raise TypeError(f"{where}: acc_scale must be a 0-d float32 tensor or None, got {type(acc_scale).__name__}")
+    if acc_scale.dim() != 0:
+        raise ValueError(f"{where}: acc_scale must be a 0-d tensor (one factor), got shape {tuple(acc_scale.shape)}")
+    if acc_scale.dtype != torch.float32:
+        raise TypeError(f"{where}: acc_scale must be float32, got {acc_scale.dtype}")
+    if acc_scale.device != device:
+        raise ValueError(f"{where}: acc_scale must be on the operands' device {device}, got {acc_scale.device}")
+
+
 def _check_depth(where: str, name: str, depth: int, zero_ok: bool) -> None:
     """A promoted product's depth: a positive multiple of BK (or 0, off, where ``zero_ok``)."""
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0 or depth % BK or (depth == 0 and not zero_ok):
@@ -198,6 +213,7 @@ def grouped_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     promote: int = 0,
     cooperative: bool | None = None,
+    acc_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C[R_e] = A[R_e] @ B_e for every expert e, R_e the rows between offsets[e-1] and offsets[e]
     (offsets = cumsum(splits), computed on the device). a (M, K) bf16 with rows grouped by expert;
@@ -211,7 +227,9 @@ def grouped_gemm(
     or, promoted, 128 columns (FC2_DGRAD's cooperative mainloop), rather than ping-pong tiles of
     128 (64 promoted) × 128; None: cooperative for a bf16 C without promotion (measured 0.88-1.19×
     ping-pong at the four model shapes' GEMMs, docs/DECISIONS.md), ping-pong otherwise. Both give
-    the same bits. Rows past
+    the same bits. ``acc_scale`` (a 0-d fp32 tensor on a's device, nvfp4's product of per-tensor
+    factors): the fp32 accumulator is multiplied by it, once, before it is rounded to C, as the
+    Triton kernel's ACC_SCALE does. Rows past
     Σsplits get 0. Splits are clamped on the device (negative → 0 rows, a running sum past M stops
     at M), never read on the host."""
     _check_depth("grouped_gemm", "promote", promote, zero_ok=True)
@@ -219,6 +237,8 @@ def grouped_gemm(
         raise TypeError(f"grouped_gemm: cooperative must be True, False or None, got {cooperative!r}")
     if cooperative and not promote and out_dtype != torch.bfloat16:
         raise ValueError(f"grouped_gemm: unpromoted cooperative tiles take a bf16 C (got out_dtype {out_dtype})")
+    if isinstance(a, torch.Tensor):
+        _check_acc_scale("grouped_gemm", acc_scale, a.device)
     _check(a, b, splits, out, b_layout, out_dtype)
     reason = why_unavailable(a.device)
     if reason:
@@ -255,10 +275,12 @@ def grouped_gemm(
     device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     grid = (min(_num_sms(device_index), tile_bound),)
     with torch.cuda.device(a.device):
+        # acc_scale None: a constexpr None, so the kernel without the factor is the one compiled before it
         launch(grouped_gemm_kernel, grid,
-            a_desc, b_desc, c_desc, out, splits, E, M, N, K,
+            a_desc, b_desc, c_desc, out, acc_scale, splits, E, M, N, K,
             BM=bm, BN=bn, BK=BK, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, B_KMAJOR=kmajor,
-            PROMOTE=promote // BK, A_PARTS=parts, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+            PROMOTE=promote // BK, A_PARTS=parts, ACC_SCALE=acc_scale is not None, num_warps=NUM_WARPS,
+            maxnreg=MAXNREG,
         )
     return out
 
@@ -391,6 +413,7 @@ def fc2_dgrad(
     epilogue_warpgroup: bool | None = None,
     dy_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    acc_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The MLP's FC2_DGRAD on the engine: g_z = dy[R_e] @ W2[e] in fp32 (each ``promote_depth``-deep
     product promoted),
@@ -411,7 +434,11 @@ def fc2_dgrad(
     fp8_block (``dy_scale`` and ``w2_scale`` given): dy holds e4m3 codes with dy_scale (M, ⌈H/128⌉)
     fp32 their 1×128 scales, w2 the transposed view of W2's K-major codes (E, F, H) with w2_scale
     (E, ⌈F/128⌉, ⌈H/128⌉) fp32 their 128×128 tile scales (any strides); each 128-deep product is
-    scaled into g_z (``promote_depth`` is not read), and g_h and z may be fp32. The caller checked
+    scaled into g_z (``promote_depth`` is not read), and g_h and z may be fp32.
+
+    ``acc_scale`` (bf16 only; a 0-d fp32 tensor on dy's device, nvfp4's product of per-tensor
+    factors): g_z is the promoted fp32 total times it, once, before any epilogue form reads it (the
+    Triton kernel's ACC_SCALE), so g_h, z and the partials all see the scaled g_z. The caller checked
     ``fc2_dgrad_supports`` (bf16) or ``fc2_dgrad_fp8_supports``."""
     from ._compat import TensorDescriptor
     from ._engine import EPI_MAXNREG, MAXNREG, NUM_WARPS
@@ -425,6 +452,10 @@ def fc2_dgrad(
     scaled = dy_scale is not None
     if scaled != (w2_scale is not None):
         raise ValueError("fc2_dgrad: dy_scale and w2_scale come together (fp8_block) or not at all")
+    if acc_scale is not None and scaled:
+        raise ValueError("fc2_dgrad: acc_scale multiplies a bf16 accumulator; fp8_block's codes take dy_scale and "
+                         "w2_scale")  # fmt: skip
+    _check_acc_scale("fc2_dgrad", acc_scale, dy.device)
     M, H = dy.shape
     E, _, F = w2.shape
     if scaled:
@@ -494,14 +525,15 @@ def fc2_dgrad(
     with torch.cuda.device(dy.device):
         launch(fc2_dgrad_kernel, grid,
             a_desc, b_desc, h_desc, gh_desc, z_desc, h, g_h, z if z is not None else dummy,
-            probs if probs is not None else dummy, partial if partial is not None else dummy, *scale_args, splits,
+            probs if probs is not None else dummy, partial if partial is not None else dummy, acc_scale, *scale_args,
+            splits,
             E, M, F, H, N1,
             float(params[0]), float(params[1]), float(params[2]),
             BM=bm, BN=BN, BK=bk, STAGES=_dgrad_stages(cooperative, scaled, regs, glu_interleave), GROUP_M=GROUP_M,
             E_BLOCK=e_block, B_KMAJOR=kmajor, CW=DGRAD_CW,
             G=glu_interleave, CHAIN=1 if scaled else promote_depth // BK, ACT=activation_id,
             HAS_PROBS=probs is not None, STORE_Z=z is not None, STORE_PARTIAL=partial is not None, A_PARTS=a_parts,
-            SCALED=scaled, REGS=regs, EPI_WG=epilogue_warpgroup, num_warps=NUM_WARPS,
+            SCALED=scaled, REGS=regs, EPI_WG=epilogue_warpgroup, ACC_SCALE=acc_scale is not None, num_warps=NUM_WARPS,
             maxnreg=EPI_MAXNREG if epilogue_warpgroup else MAXNREG,
         )  # fmt: skip
     return partial
@@ -681,14 +713,17 @@ def fc1(
     x_scale: torch.Tensor | None = None,  # fp8_block: (M, ⌈H/128⌉) fp32, any strides
     w1_scale: torch.Tensor | None = None,  # fp8_block: (E, ⌈N1/128⌉, ⌈H/128⌉) fp32 tile scales, any strides
     cooperative: bool | None = None,
+    acc_scale: torch.Tensor | None = None,  # bf16: 0-d fp32, the accumulator's factor (nvfp4's 1/S_enc product)
 ) -> None:
     """FC1 on the engine: h = x[R_e] @ W1[e]ᵀ (+ b1) in fp32, rounded once to bf16, and z =
     act(gate, up)·p from the fp32 h; capacity rows get zeros. bf16 operands one unpromoted chain a
     tile (the Triton kernel's arithmetic), on 128-row ping-pong tiles of 64 output columns or, with
     ``cooperative``, 128-row cooperative tiles of 128 (G a multiple of 128, z bf16 or None); the same
     bits either way; None: ``fc1_cooperative``. fp8_block's codes (the scales given) on
-    cooperative tiles, each 128-deep product scaled into h. The caller checked ``fc1_supports``; the
-    scales' shapes and ``cooperative`` are checked here."""
+    cooperative tiles, each 128-deep product scaled into h. ``acc_scale`` (bf16 only): h's fp32
+    accumulator times it, once, before the bias, the GLU and the probs (the Triton kernel's
+    ACC_SCALE). The caller checked ``fc1_supports``; the scales' shapes, ``acc_scale`` and
+    ``cooperative`` are checked here."""
     from ._compat import TensorDescriptor
     from ._engine import MAXNREG, NUM_WARPS
     from ._fc1 import fc1_kernel
@@ -696,6 +731,9 @@ def fc1(
     scaled = x_scale is not None
     if scaled != (w1_scale is not None):
         raise ValueError("fc1: x_scale and w1_scale come together (fp8_block) or not at all")
+    if acc_scale is not None and scaled:
+        raise ValueError("fc1: acc_scale multiplies a bf16 accumulator; fp8_block's codes take x_scale and w1_scale")
+    _check_acc_scale("fc1", acc_scale, x.device)
     M, H = x.shape
     E, N1, _ = w1.shape
     F = N1 // 2
@@ -744,11 +782,11 @@ def fc1(
     with torch.cuda.device(x.device):
         launch(fc1_kernel, grid,
             a_desc, b_desc, h_desc, z_desc, h, z if z is not None else dummy, bias if bias is not None else dummy,
-            probs if probs is not None else dummy, *scale_args, splits, E, M, F, H, N1,
+            probs if probs is not None else dummy, acc_scale, *scale_args, splits, E, M, F, H, N1,
             float(params[0]), float(params[1]), float(params[2]),
             BM=bm, BN=bn, BK=bk, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, G=glu_interleave,
             ACT=activation_id, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, STORE_Z=z is not None,
-            SCALED=scaled, A_PARTS=a_parts, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+            SCALED=scaled, A_PARTS=a_parts, ACC_SCALE=acc_scale is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
 
 
@@ -874,13 +912,18 @@ def wgrad(
     x: torch.Tensor,  # (T, K) bf16
     splits: torch.Tensor,  # (E,) int32 / int64 on g's device
     out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    acc_scale: torch.Tensor | None = None,  # 0-d fp32 on g's device: dW's factor (nvfp4's 1/S_enc product)
 ) -> torch.Tensor:
     """dW (E, N, K) in ``out_dtype``: dW[e] = G[R_e]ᵀ @ X[R_e], one chained fp32 accumulator a tile
-    rounded once, zeros for an expert with no rows: the bits of ``kernels.gemm.launch.launch_grouped_wgrad``
-    on the same operands, on the engine. Splits are clamped on the device (negative → 0 rows, a running
+    (times ``acc_scale`` where given, once, before its rounding) rounded once, zeros for an expert
+    with no rows: the bits of ``kernels.gemm.launch.launch_grouped_wgrad`` on the same operands (and
+    ``acc_factors``), on the engine. Splits are clamped on the device (negative → 0 rows, a running
     sum past T stops at T), never read on the host. Raises where ``wgrad_supports`` names a reason."""
     if not isinstance(splits, torch.Tensor) or splits.dim() != 1 or splits.dtype not in (torch.int32, torch.int64):
         raise TypeError("wgrad: splits must be a 1-D int32 or int64 tensor")
+    if isinstance(g, torch.Tensor):
+        _check_acc_scale("wgrad", acc_scale, g.device)
     why = wgrad_supports(g, x, out_dtype, splits.shape[0])
     if why:
         raise ValueError(f"wgrad: the engine cannot take these operands: {why}")
@@ -908,8 +951,8 @@ def wgrad(
     grid = (min(_num_sms(_index(g.device)), tiles),)
     with torch.cuda.device(g.device):
         launch(wgrad_kernel, grid,
-            g_desc, x_desc, c_desc, c2d, splits, E, T, N, K,
-            BM=WGRAD_BM, BN=WGRAD_BN, BK=bk, STAGES=stages,
-            GROUP_N=WGRAD_GROUP_N, E_BLOCK=e_block, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+            g_desc, x_desc, c_desc, c2d, acc_scale, splits, E, T, N, K,
+            BM=WGRAD_BM, BN=WGRAD_BN, BK=bk, STAGES=stages, GROUP_N=WGRAD_GROUP_N, E_BLOCK=e_block,
+            ACC_SCALE=acc_scale is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         )  # fmt: skip
     return out

@@ -14,7 +14,9 @@ multiple of BK also holds the next expert's first rows, which the consumer sets 
 memory before its wgmma (both operands: 0 · inf would be NaN). The chained fp32 accumulator, a
 chain of k16 products over the expert's rows in order, zero rows past its end, is the Triton
 kernel's (kernels/gemm/wgrad.py), so the two give the same bits. Consumers: ping-pong 128 × 128 tiles, one
-warpgroup's epilogue (the bf16 tile's store) under the other's mainloop.
+warpgroup's epilogue (the bf16 tile's store) under the other's mainloop. ACC_SCALE (nvfp4's values):
+the accumulator times the factor at ``acc_scale_ptr`` before its rounding, as the Triton kernel's
+ACC_SCALE.
 
 ``fp8_wgrad_kernel`` (fp8_block): the operands are ``quantize_wgrad(t, splits, recipe,
 transposed=True)``'s: Gᵀ (N, P) and Xᵀ (K, P) e4m3 codes in the expert-aligned padded layout (P =
@@ -250,11 +252,13 @@ def _mainloop_rows(a_ring, b_ring, ready, empty, it, start, end, acc_layout: gl.
 
 
 @gluon.jit
-def _bf16_consumer(c_desc, c_ptr, splits_ptr, E, T, N, K, a_ring, b_ring, c_tiles, ready, empty, turn,
+def _bf16_consumer(c_desc, c_ptr, acc_scale_ptr, splits_ptr, E, T, N, K, a_ring, b_ring, c_tiles, ready, empty, turn,
                    WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                   GROUP_N: gl.constexpr, E_BLOCK: gl.constexpr):
+                   GROUP_N: gl.constexpr, E_BLOCK: gl.constexpr, ACC_SCALE: gl.constexpr):
     """Ping-pong: this CTA's j-th tile is warpgroup j % 2's, the mainloops taken in turn (the engine's
-    ``turn`` pair); the ring position counts the other warpgroup's steps too."""
+    ``turn`` pair); the ring position counts the other warpgroup's steps too. ACC_SCALE: each tile's
+    accumulator times the fp32 scalar at ``acc_scale_ptr`` before it is rounded and stored, as the
+    Triton kernel scales dW (an empty expert's zeros included)."""
     num_n = gl.cdiv(N, BM)
     num_k = gl.cdiv(K, BN)
     idx, _, ends, _, _, _ = _expert_table(splits_ptr, E, T, 1, BK, E_BLOCK, 4)
@@ -263,6 +267,8 @@ def _bf16_consumer(c_desc, c_ptr, splits_ptr, E, T, N, K, a_ring, b_ring, c_tile
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     my_tiles = gl.cdiv(gl.maximum(E * num_n * num_k - pid, 0), nprog)
+    if ACC_SCALE:
+        factor = gl.load(acc_scale_ptr)  # one scalar for the launch, loaded once
     it = 0
     if WG == 1:  # the first tile is warpgroup 0's
         e0, _, _ = _coords(pid, num_n, num_k, GROUP_N)
@@ -283,6 +289,8 @@ def _bf16_consumer(c_desc, c_ptr, splits_ptr, E, T, N, K, a_ring, b_ring, c_tile
             e1, _, _ = _coords(pid + (j + 1) * nprog, num_n, num_k, GROUP_N)
             start1, end1 = _rows(idx, ends, e1)
             it += gl.cdiv(end1 - start1, BK)
+        if ACC_SCALE:
+            acc = acc * factor
         row0 = e * N
         _store_tile(acc, c_desc, c_ptr, c_tiles.index(WG), row0 + tn * BM, tk * BN, row0 + N, E * N, K, BM, BN)
     store_wait(0)
@@ -294,6 +302,7 @@ def wgrad_kernel(
     x_desc,  # X (T, K) bf16; block [BK, BN]
     c_desc,  # dW viewed as (E·N, K), bf16 or fp32; block [BM, BN]
     c_ptr,  # the same tensor, for the masked store of a tile past its expert's N rows
+    acc_scale_ptr,  # ACC_SCALE: 0-d fp32 factor of dW's accumulator (nvfp4's 1/S_enc product); else None
     splits_ptr,  # (E,) int32 / int64 rows per expert, clamped to T
     E,
     T,  # rows of G and X
@@ -305,14 +314,15 @@ def wgrad_kernel(
     STAGES: gl.constexpr,
     GROUP_N: gl.constexpr,
     E_BLOCK: gl.constexpr,
+    ACC_SCALE: gl.constexpr,
 ):
     a_ring, b_ring, ready, empty, turn = _ring(g_desc, x_desc, BM, BN, BK, STAGES, False, 1)
     c_tiles = gl.allocate_shared_memory(c_desc.dtype, [2, BM, BN], c_desc.layout)
     warp_specialize([
-        (_bf16_consumer, (c_desc, c_ptr, splits_ptr, E, T, N, K, a_ring, b_ring, c_tiles, ready, empty, turn, 0, BM,
-                          BN, BK, STAGES, GROUP_N, E_BLOCK)),
-        (_bf16_consumer, (c_desc, c_ptr, splits_ptr, E, T, N, K, a_ring, b_ring, c_tiles, ready, empty, turn, 1, BM,
-                          BN, BK, STAGES, GROUP_N, E_BLOCK)),
+        (_bf16_consumer, (c_desc, c_ptr, acc_scale_ptr, splits_ptr, E, T, N, K, a_ring, b_ring, c_tiles, ready, empty,
+                          turn, 0, BM, BN, BK, STAGES, GROUP_N, E_BLOCK, ACC_SCALE)),
+        (_bf16_consumer, (c_desc, c_ptr, acc_scale_ptr, splits_ptr, E, T, N, K, a_ring, b_ring, c_tiles, ready, empty,
+                          turn, 1, BM, BN, BK, STAGES, GROUP_N, E_BLOCK, ACC_SCALE)),
         (_bf16_producer, (g_desc, x_desc, splits_ptr, E, T, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                           GROUP_N, E_BLOCK)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
