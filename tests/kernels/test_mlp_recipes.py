@@ -205,42 +205,108 @@ def test_cpu_backward_builds_the_wgrad_row_blocks_once(key, monkeypatch):
     assert calls == [(16, cfg.recipe.block)], calls
 
 
-@pytest.mark.parametrize("key, engine", [("mxfp8", True), ("nvfp4:hadamard=0,stochastic_rounding=0", False)])
-def test_emulated_values_take_the_bf16_kernels_unless_a_factor_scales_them(key, engine, monkeypatch):
-    """mxfp8's dequantized bf16 values go where bf16 tensors go (the Gluon engine's FC1, FC2_DGRAD with
-    fp32 g_h and z, and its plain GEMM for FC2 and FC1_DGRAD); nvfp4's carry a per-tensor 1/S_enc
-    for the accumulator and stay on the Triton kernels (ACC_SCALE). The kernels' own checks are
-    stubbed to yes, so this is the routing alone (on the CPU; the GPU test below runs it)."""
+EMULATED = ["mxfp8", "nvfp4:hadamard=0,stochastic_rounding=0"]
+
+
+def _factors(key):
+    """Two operands' per-tensor factors under ``key``: nvfp4's 1/S_enc (0-d fp32, whose product is not
+    a power of two), none for mxfp8."""
+    if key == "mxfp8":
+        return None, None
+    return torch.tensor(3.0), torch.tensor(0.1)
+
+
+@pytest.mark.parametrize("key", EMULATED)
+def test_emulated_values_take_the_bf16_kernels(key, monkeypatch):
+    """Both emulated recipes' dequantized bf16 values go where bf16 tensors go (the Gluon engine's
+    FC1, FC2_DGRAD with fp32 g_h and z, and its plain GEMM for FC2 and FC1_DGRAD); nvfp4's carry their
+    per-tensor 1/S_enc, whose product reaches the engine's launchers as ``acc_scale`` (the Triton
+    kernels' ACC_SCALE), mxfp8's none. The kernels' own checks are stubbed to yes and the launchers
+    record their calls, so this is the routing alone (on the CPU; the GPU test below runs it)."""
     from moemlp.kernels import gluon, operands
+    from moemlp.kernels.gemm import launch
 
     monkeypatch.setattr(operands, "_gluon_on", lambda t: True)
     for name in ("fc1_supports", "fc2_dgrad_supports", "supports"):
         monkeypatch.setattr(gluon, name, lambda *a, **k: "")
+    calls = []
+    for name in ("fc1", "fc2_dgrad", "grouped_gemm"):
+        monkeypatch.setattr(gluon, name, lambda *a, name=name, **k: calls.append((name, k.get("acc_scale"))))
+    monkeypatch.setattr(launch, "launch_grouped_gemm",
+                        lambda *a, **k: calls.append(("triton", launch._product(k["acc_factors"]))))  # fmt: skip
     _, cfg = make((3, 2), 64, 64)
     cfg = with_recipe(cfg, key)
     E, H, F, M = 2, 64, 64, 5
-    factor = None if key == "mxfp8" else torch.ones(())
+    a_factor, b_factor = _factors(key)
+    expected_scale = None if a_factor is None else a_factor * b_factor
 
     def values(*shape, dtype=torch.bfloat16):
         return torch.zeros(*shape, dtype=dtype)
 
-    w1, w2 = values(E, 2 * F, H), values(E, H, F)
-    x_op, z_op, dy_op, gh_op = (operands.ActOperand(values(M, k), factor=factor) for k in (H, F, H, 2 * F))
+    def weight(w):
+        # the forward's and the dgrad's dequantized values and factor (the ops' empty tensor for none)
+        f = torch.empty(0) if b_factor is None else b_factor
+        return operands.Weight.from_dequantized(w, cfg.recipe, forward=(values(*w.shape), f),
+                                                dgrad=(values(*w.shape), f))  # fmt: skip
+
+    w1, w2 = weight(values(E, 2 * F, H)), weight(values(E, H, F))
+    x_op, z_op, dy_op, gh_op = (operands.ActOperand(values(M, k), factor=a_factor) for k in (H, F, H, 2 * F))
+    fp32 = torch.float32
     cases = [
-        # (kind, A, B, weight, out, z, h, expected)
-        ("fc1", x_op, operands.WeightOperand(w1, (2 * F * H, H, 1), factor=factor), w1, values(M, 2 * F),
-         values(M, F, dtype=torch.float32), None, "fc1"),
-        ("fc2", z_op, operands.WeightOperand(w2, (H * F, F, 1), factor=factor), w2, values(M, H), None, None,
-         "grouped_gemm"),
-        ("fc2_dgrad", dy_op, operands.WeightOperand(w2, (H * F, 1, F), factor=factor), w2,
-         values(M, 2 * F, dtype=torch.float32), values(M, F, dtype=torch.float32), values(M, 2 * F), "fc2_dgrad"),
-        ("fc1_dgrad", gh_op, operands.WeightOperand(w1, (2 * F * H, 1, H), factor=factor), w1, values(M, H), None,
-         None, "grouped_gemm"),
+        # (kind, A, weight, out, z, h, N, reduction, expected)
+        ("fc1", x_op, w1, values(M, 2 * F), values(M, F, dtype=fp32), None, F, H, "fc1"),
+        ("fc2", z_op, w2, values(M, H), None, None, H, F, "grouped_gemm"),
+        ("fc2_dgrad", dy_op, w2, values(M, 2 * F, dtype=fp32), values(M, F, dtype=fp32), values(M, 2 * F), F, H,
+         "fc2_dgrad"),
+        ("fc1_dgrad", gh_op, w1, values(M, H), None, None, H, 2 * F, "grouped_gemm"),
     ]  # fmt: skip
-    for kind, a_op, b_op, w, out, z, h, expected in cases:
-        weight = operands.Weight(w, cfg.recipe)
-        got = operands.engine_kernel(kind, a_op, b_op, weight, out=out, bias=None, h=h, z=z, cfg=cfg)
-        assert got == (expected if engine else ""), (kind, got)
+    for kind, a_op, w, out, z, h, N, red, expected in cases:
+        calls.clear()
+        operands.gemm_on(kind, a_op, w, splits=torch.tensor([3, 2]), out=out, N=N, K=red, N1=2 * F, cfg=cfg, z=z, h=h)
+        assert [c[0] for c in calls] == [expected], (kind, calls)
+        scale = calls[0][1]
+        if expected_scale is None:
+            assert scale is None, (kind, scale)
+        else:
+            assert scale is not None and scale.shape == () and torch.equal(scale, expected_scale), (kind, scale)
+
+
+@pytest.mark.parametrize("engine", [True, False], ids=["engine", "no-engine"])
+@pytest.mark.parametrize("key", EMULATED)
+def test_emulated_weight_gradients_take_cutlass_only_without_a_factor(key, engine, monkeypatch):
+    """The emulated recipes' weight gradients: on the engine's bf16 wgrad where it takes them, nvfp4's
+    with its two factors' product as ``acc_scale``; elsewhere mxfp8's on CUTLASS (torch._grouped_mm)
+    and nvfp4's on the Triton kernel with the same product (CUTLASS cannot apply a factor). The
+    quantizer and the kernels' checks are stubbed and the launches recorded: the routing alone."""
+    from types import SimpleNamespace
+
+    from moemlp.kernels import gluon, operands
+    from moemlp.kernels.gemm import launch
+    from moemlp.kernels.quant import api as kq
+
+    _, cfg = make((3, 2), 64, 64)
+    recipe = with_recipe(cfg, key).recipe
+    M, P, Q = 5, 128, 64
+    g_factor, x_factor = _factors(key)
+    monkeypatch.setattr(kq, "dequantized_wgrad", lambda t, splits, r, is_grad, **k: (
+        torch.zeros(t.shape, dtype=torch.bfloat16), g_factor if is_grad else x_factor))  # fmt: skip
+    monkeypatch.setattr(operands, "wgrad_engine", lambda *a: engine)
+    monkeypatch.setattr(operands, "_cutlass_wgrad_ok", lambda *a: True)
+    calls = []
+    monkeypatch.setattr(gluon, "wgrad", lambda g, x, splits, dtype, acc_scale=None: calls.append(("engine", acc_scale)))
+    monkeypatch.setattr(operands, "_cutlass_wgrad", lambda *a: calls.append(("cutlass", None)))
+    monkeypatch.setattr(launch, "launch_grouped_wgrad",
+                        lambda **k: calls.append(("triton", launch._product(k["acc_factors"]))))  # fmt: skip
+    splits = torch.tensor([3, 2])
+    operands.wgrad(torch.zeros(M, P), torch.zeros(M, Q, dtype=torch.bfloat16), splits, recipe, dtype=torch.bfloat16,
+                   dw_dtype=torch.bfloat16, blocks=SimpleNamespace(get=lambda: None))  # fmt: skip
+    factored = g_factor is not None
+    expected = "engine" if engine else "triton" if factored else "cutlass"
+    assert [c[0] for c in calls] == [expected], calls
+    if factored:
+        assert torch.equal(calls[0][1], g_factor * x_factor), calls
+    else:
+        assert calls[0][1] is None, calls
 
 
 def test_every_recipe_is_supported():
@@ -280,33 +346,41 @@ def test_gpu_matches_torch_emulation(case, key):
             assert torch.equal(a, b), f"{name}: not bitwise repeatable"
 
 
-# The kernels each case's mxfp8 step runs on the GPU, besides the quantizers: FC1 and FC2_DGRAD on
-# the engine, FC1_DGRAD (and FC2 without a bias) on its plain GEMM, the weight gradients on CUTLASS
-# (experts of ~750 rows) or on the engine's bf16 wgrad (~125 rows, operands.WGRAD_ENGINE_ROWS).
-MXFP8_KERNELS = {
-    "mixtral_like": {"fc1", "fc2_dgrad", "grouped_gemm", "cutlass_wgrad"},
-    "qwen3_like": {"fc1", "fc2_dgrad", "grouped_gemm", "wgrad"},
+NVFP4 = "nvfp4:hadamard=0,stochastic_rounding=0"  # deterministic: two runs quantize alike
+# The kernels each case's step runs on the GPU under an emulated recipe, besides the quantizers: FC1
+# and FC2_DGRAD on the engine, FC1_DGRAD (and FC2 without a bias) on its plain GEMM, the weight
+# gradients on the engine's bf16 wgrad where experts average at most operands.WGRAD_ENGINE_ROWS rows
+# (qwen3_like: ~125), else (mixtral_like: ~750) on CUTLASS under mxfp8 and on the Triton kernel under
+# nvfp4, whose factor CUTLASS cannot apply (no engine launch recorded for it).
+EMULATED_KERNELS = {
+    ("mixtral_like", "mxfp8"): {"fc1", "fc2_dgrad", "grouped_gemm", "cutlass_wgrad"},
+    ("qwen3_like", "mxfp8"): {"fc1", "fc2_dgrad", "grouped_gemm", "wgrad"},
+    ("mixtral_like", NVFP4): {"fc1", "fc2_dgrad", "grouped_gemm"},
+    ("qwen3_like", NVFP4): {"fc1", "fc2_dgrad", "grouped_gemm", "wgrad"},
 }
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("key", ["mxfp8", NVFP4])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_gpu_mxfp8_on_the_bf16_kernels(case, monkeypatch):
-    """mxfp8's step on the kernels the bf16 path runs (the Gluon engine, CUTLASS) against the same
-    step on the Triton kernels (MOEMLP_GLUON=0 and no CUTLASS): h, y and dx bit for bit (the engine
-    gives the Triton kernels' bits: one K-ordered chain a tile, FC2_DGRAD's 128-deep promotion), the
-    weight gradients and dprobs within their summation-order bounds (module docstring)."""
+def test_gpu_emulated_on_the_bf16_kernels(case, key, monkeypatch):
+    """An emulated recipe's step on the kernels the bf16 path runs (the Gluon engine, CUTLASS where no
+    factor is due) against the same step on the Triton kernels (MOEMLP_GLUON=0 and no CUTLASS): h, y
+    and dx bit for bit (the engine gives the Triton kernels' bits: one K-ordered chain a tile,
+    FC2_DGRAD's 128-deep promotion, nvfp4's factor product multiplied as ACC_SCALE multiplies it),
+    the weight gradients and dprobs within their summation-order bounds (module docstring). Every
+    engine launch under nvfp4 is given the factor (``acc_scale``), none under mxfp8."""
     from moemlp.kernels import gluon, operands
     from test_triton_backend import gpu_problem
 
     name, (E, H, F, rows, empty, cap, kw) = case
     t, cfg = gpu_problem(E, H, F, rows, empty, cap, **kw)
-    cfg = with_recipe(cfg, "mxfp8")
+    cfg = with_recipe(cfg, key)
     args = (t["splits"], t["probs"], t["fc1_weight"], t["fc2_weight"], t["fc1_bias"], t["fc2_bias"])
     ran = set()
 
     def recorded(fn_name, fn):
-        return lambda *a, **k: ran.add(fn_name) or fn(*a, **k)
+        return lambda *a, **k: ran.add((fn_name, k.get("acc_scale") is not None)) or fn(*a, **k)
 
     for fn_name in ("fc1", "fc2_dgrad", "grouped_gemm", "wgrad"):
         monkeypatch.setattr(gluon, fn_name, recorded(fn_name, getattr(gluon, fn_name)))
@@ -317,7 +391,8 @@ def test_gpu_mxfp8_on_the_bf16_kernels(case, monkeypatch):
         return (y, h) + tuple(K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, (True,) * 6))
 
     ours = step()
-    assert ran == MXFP8_KERNELS[name], ran
+    factored = key == NVFP4
+    assert ran == {(k, factored) for k in EMULATED_KERNELS[name, key]}, ran
     monkeypatch.setenv("MOEMLP_GLUON", "0")
     monkeypatch.setattr(operands, "_cutlass_wgrad_ok", lambda *a: False)
     ran.clear()

@@ -20,10 +20,12 @@ quantizes both operands along its reduction dim, one of two ways:
   can be skipped: ``moemlp.quantize_weights`` holds both layouts of each weight, and the forward
   builds its Weights from them (``cached_weights``).
 * emulated (mxfp8, nvfp4): the bf16 kernels run on each operand's dequantized values
-  code·block_scale in bf16. mxfp8's values go where bf16 tensors go (the Gluon engine, CUTLASS's
-  weight gradients: ``_bf16_values``); nvfp4's per-tensor factors (1/S_enc of each operand)
-  multiply the fp32 accumulator (the Triton kernels' ACC_SCALE, their product taken by the
-  launcher) before any epilogue. A
+  code·block_scale in bf16, and go where bf16 tensors go (the Gluon engine, CUTLASS's weight
+  gradients: ``_bf16_values``). nvfp4's per-tensor factors (1/S_enc of each operand) multiply the
+  fp32 accumulator before any epilogue: their product (``launch._product``, on the device) is the
+  engine kernels' ``acc_scale`` and the Triton kernels' ACC_SCALE, which apply it alike; CUTLASS
+  (``torch._grouped_mm``) cannot, so an nvfp4 weight gradient that the engine does not take runs on
+  the Triton kernel. A
   ``quantize.dequantized*`` pass stores the values first (docs/DECISIONS.md: forming them in the
   GEMM's load path was slower); a weight's two orientations (blocks along its columns for the
   forward, along its rows for the dgrad) are two passes, both of which ``moemlp.quantize_weights``
@@ -381,10 +383,14 @@ def gemm_on(
     params = tuple(cfg.activation_params) + (0.0,) * (3 - len(cfg.activation_params))
     b_op = weight.forward() if kind in ("fc1", "fc2") else weight.dgrad()
     engine = engine_kernel(kind, a_op, b_op, weight, out=out, bias=bias, h=h, z=z, cfg=cfg)
+    # nvfp4's factors: their product (one fp32 rounding, on the device), taken once for either kernel,
+    # the engine's acc_scale or the Triton kernel's ACC_SCALE (None without a factor)
+    acc_scale = launch._product((a_op.factor, b_op.factor))
     if engine == "fc2_dgrad":
         return gluon.fc2_dgrad(
             a_op.a, _fc2_dgrad_w2(weight, b_op, cfg), splits, h, out, z=z, probs=probs, dprobs_partials=dprobs_partials,
             glu_interleave=cfg.glu_interleave, activation_id=cfg.activation.kernel_id, params=params,
+            acc_scale=acc_scale,
         )  # fmt: skip
     if engine == "fc2_dgrad_fp8":
         return gluon.fc2_dgrad(
@@ -393,12 +399,16 @@ def gemm_on(
             dy_scale=a_op.scales, w2_scale=_tile_scales(b_op, N, K),
         )  # fmt: skip
     if engine == "fc1":
-        scales = {} if not is_native(cfg.recipe) else dict(x_scale=a_op.scales, w1_scale=_tile_scales(b_op, N1, K))
+        if is_native(cfg.recipe):
+            scales = dict(x_scale=a_op.scales, w1_scale=_tile_scales(b_op, N1, K))
+        else:
+            scales = dict(acc_scale=acc_scale)
         gluon.fc1(a_op.a, b_op.b, splits, out, z=z, bias=bias, probs=probs, glu_interleave=cfg.glu_interleave,
                   activation_id=cfg.activation.kernel_id, params=params, **scales)  # fmt: skip
         return None
     if engine == "grouped_gemm":
-        gluon.grouped_gemm(a_op.a, b_op.b, splits, out, b_layout=_plain_layout(b_op, N, K), cooperative=True)
+        gluon.grouped_gemm(a_op.a, b_op.b, splits, out, b_layout=_plain_layout(b_op, N, K), cooperative=True,
+                           acc_scale=acc_scale)  # fmt: skip
         return None
     if engine == "grouped_gemm_fp8":
         gluon.grouped_gemm_fp8(a_op.a, a_op.scales, b_op.b, _tile_scales(b_op, N, K), splits, out,
@@ -409,7 +419,7 @@ def gemm_on(
         kind, a=a_op.a, b=b_op.b, b_strides=b_op.strides, splits=splits, out=out, N=N, K=K, N1=N1, cfg=cfg,
         emulated=emulated, probs=probs, bias=bias, scale_bias=kind == "fc2" and cfg.scale_fc2_bias, z=z, h=h,
         dprobs_partials=dprobs_partials, a_scales=a_op.scales, b_scales=b_op.scales,
-        b_scale_strides=b_op.scale_strides, acc_factors=(a_op.factor, b_op.factor),
+        b_scale_strides=b_op.scale_strides, acc_factors=(acc_scale,),
     )  # fmt: skip
 
 
@@ -420,11 +430,11 @@ def engine_kernel(kind: str, a_op: ActOperand, b_op: WeightOperand, weight: Weig
     epilogue on bf16 ("fc2_dgrad") and on fp8_block's codes ("fc2_dgrad_fp8"), and fp8_block's FC2
     without a bias and FC1_DGRAD ("grouped_gemm_fp8"), and bf16's FC2 without a bias and FC1_DGRAD
     on large experts ("grouped_gemm", ``_engine_plain``), where ``_gluon_on`` and
-    ``gluon.*_supports`` allow. An emulated recipe's bf16 values without a per-tensor factor
-    (mxfp8's; ``_bf16_values``) take the bf16 choices, with its fp32 z and g_h. The Triton kernels
-    give the same bits (tests/kernels/test_gluon_*.py)."""
-    plain = _bf16_values(a_op, b_op, cfg)
-    if not _gluon_on(a_op.a) or (cfg.recipe is not None and not is_native(cfg.recipe) and not plain):
+    ``gluon.*_supports`` allow. An emulated recipe's bf16 values (``_bf16_values``) take the bf16
+    choices, with its fp32 z and g_h, and nvfp4's factors as the kernels' ``acc_scale``. The Triton
+    kernels give the same bits (tests/kernels/test_gluon_*.py)."""
+    plain = _bf16_values(cfg)
+    if not _gluon_on(a_op.a):
         return ""
     if kind == "fc1":
         return "fc1" if _engine_fc1(a_op, b_op, out, z, bias, cfg) else ""
@@ -444,14 +454,13 @@ def engine_kernel(kind: str, a_op: ActOperand, b_op: WeightOperand, weight: Weig
     return ""
 
 
-def _bf16_values(a_op: ActOperand, b_op: WeightOperand, cfg) -> bool:
-    """Whether a GEMM's operands are plain values that the bf16 kernels take as they are: no recipe,
-    or an emulated recipe's dequantized values with no per-tensor factor to apply to the
-    accumulator (mxfp8; nvfp4's 1/S_enc needs the Triton kernels' ACC_SCALE). SPEC §3: a bf16
-    tensor-core product with fp32 accumulation of those values is the recipe's GEMM."""
-    if cfg.recipe is None:
-        return True
-    return not is_native(cfg.recipe) and a_op.factor is None and b_op.factor is None
+def _bf16_values(cfg) -> bool:
+    """Whether a GEMM's operands are bf16 values that the bf16 kernels take: no recipe, or an emulated
+    recipe's dequantized values, mxfp8's as they are, nvfp4's with the product of their per-tensor
+    factors multiplying the accumulator before any epilogue (the engine kernels' ``acc_scale``, the
+    Triton kernels' ACC_SCALE: the same fp32 product). SPEC §3: a bf16 tensor-core product with fp32
+    accumulation of those values, times the factors, is the recipe's GEMM."""
+    return not is_native(cfg.recipe)
 
 
 def _fc2_dgrad_w2(weight: Weight, b_op: WeightOperand, cfg) -> Tensor:
@@ -604,10 +613,13 @@ def wgrad(
                 x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows
             )
             factors = (g_factor, x_factor)
-    # Plain values (no recipe, or mxfp8's: no per-tensor factor on dW) take the bf16 path's kernels.
-    plain = x is not None and not native and all(f is None for f in factors)
+    # bf16 values (no recipe, mxfp8's, nvfp4's) take the bf16 path's kernels: the engine with nvfp4's
+    # factors' product as its acc_scale; CUTLASS only without a factor (torch._grouped_mm cannot apply
+    # one), so nvfp4's dW that the engine does not take runs on the Triton kernel (the same product).
+    acc_scale = launch._product(factors)
+    plain = x is not None and not native
     engine = plain and wgrad_engine(g_v, x_v, splits, dw_dtype)
-    cutlass = plain and not engine and _cutlass_wgrad_ok(g_v, x_v, dw_dtype)
+    cutlass = plain and acc_scale is None and not engine and _cutlass_wgrad_ok(g_v, x_v, dw_dtype)
     config = launch.default_config("wgrad", 0, 0, False, dtype.itemsize)
     # Without a recipe db is Σ g (· probs), in the Triton dW launch where one runs; under a recipe it
     # comes from g rounded to the compute dtype, unquantized, in a launch of its own.
@@ -615,13 +627,15 @@ def wgrad(
     dw = None
     if native and x is not None:
         dw = fp8_wgrad(g_op, x_op, splits, g.shape[0], dw_dtype)
-    elif engine or cutlass:
-        dw = gluon.wgrad(g_v, x_v, splits, dw_dtype) if engine else _cutlass_wgrad(g_v, x_v, splits)
+    elif engine:
+        dw = gluon.wgrad(g_v, x_v, splits, dw_dtype, acc_scale=acc_scale)
+    elif cutlass:
+        dw = _cutlass_wgrad(g_v, x_v, splits)
     elif x is not None:
         dw = _empty_dw(g, x, splits, dw_dtype)
         if recipe is not None:
             launch.launch_grouped_wgrad(g=g_v, x=x_v, splits=splits, dw=dw, db=None, config=config,
-                                        acc_factors=factors)  # fmt: skip
+                                        acc_factors=(acc_scale,))  # fmt: skip
     if db_in_dw and (dw is not None or db is not None):
         launch.launch_grouped_wgrad(g=g, x=x, splits=splits, dw=dw, db=db, config=config, probs=probs,
                                     scale_b=scale_bias)  # fmt: skip
@@ -675,8 +689,9 @@ def _cutlass_wgrad_ok(g: Tensor, x: Tensor, dw_dtype: torch.dtype) -> bool:
     """Whether the bf16 weight gradient runs on ``torch._grouped_mm`` (CUTLASS's warp-specialized
     varlen-K grouped GEMM): bf16 operands and dW on an sm_90+ GPU, outside the interpreter. It beat
     the Triton wgrad kernel by 28-48 % where experts have 128-256 rows and by 8-11 % at 1024
-    (docs/DECISIONS.md, "bf16 weight gradients on torch._grouped_mm"); an fp32 dW (main_grad) and the
-    recipes' operands stay on the Triton kernels."""
+    (docs/DECISIONS.md, "bf16 weight gradients on torch._grouped_mm"); an fp32 dW (main_grad) stays on
+    the Triton kernels, and so does nvfp4's dW where the engine does not take it (``wgrad``: CUTLASS
+    applies no accumulator factor)."""
     return (
         not launch.INTERPRET
         and hasattr(torch, "_grouped_mm")

@@ -12,7 +12,10 @@ weight gradient, which the MLP runs wherever it is supported (``kernels.operands
 FC1_DGRAD run ``grouped_gemm`` on its cooperative 128 × 256 tiles.
 ``fc1`` is FC1 with its GLU epilogue, bf16 or fp8_block (the Triton kernel's bits), which the MLP's
 forward runs under fp8_block, and in bf16 where K ≤ ``operands.FC1_ENGINE_MAX_K`` or it takes its
-cooperative tiles (``fc1_cooperative``), where ``fc1_supports`` allows."""
+cooperative tiles (``fc1_cooperative``), where ``fc1_supports`` allows. The bf16 launchers
+(``grouped_gemm``, ``fc1``, ``fc2_dgrad``, ``wgrad``) take ``acc_scale``, a 0-d fp32 factor of the
+fp32 accumulator applied before any epilogue (nvfp4's product of 1/S_enc), as the Triton kernels'
+ACC_SCALE applies it."""
 
 from ._compat import is_available, missing, why_unavailable
 from ._launch import (
