@@ -374,7 +374,9 @@ def test_gpu_acc_scale_matches_the_triton_kernel(splits_list, M, H, F, activatio
     """``acc_scale`` (nvfp4's product of 1/S_enc) against the Triton kernel's ACC_SCALE on the same
     bf16 values, on every epilogue form: g_z is the promoted total times the factor before any of
     them reads it, so g_h and z are the Triton kernel's bit for bit and dprobs is f·Σ g_z·a within
-    SPEC's 1e-6."""
+    SPEC's 1e-6. The Triton kernel stores its dprobs partials too: only then does it promote each
+    128-deep product as the engine always does (``GemmConfig.PROMOTE``); unpromoted, its sums differ
+    from the engine's in rounding, whatever the factor."""
     from moemlp._config import MLPConfig
     from moemlp.kernels import operands
     from moemlp.kernels.gemm import launch
@@ -405,7 +407,8 @@ def test_gpu_acc_scale_matches_the_triton_kernel(splits_list, M, H, F, activatio
     g_h_t, z_t = torch.empty_like(g_h), torch.empty_like(z)
     launch.launch_grouped_gemm("fc2_dgrad", a=dy, b=W2.dgrad().b, b_strides=W2.dgrad().strides, splits=splits,
                                out=g_h_t, N=F, K=H, N1=2 * F, cfg=MLPConfig(spec, tuple(params), G, False),
-                               emulated=True, probs=probs, z=z_t, h=h, acc_factors=(f,))  # fmt: skip
+                               emulated=True, probs=probs, z=z_t, h=h, acc_factors=(f,),
+                               dprobs_partials=True)  # fmt: skip
     dprobs = torch.empty(M, device=dev)
     launch.launch_dprobs_reduce(partial=part, dy=dy, fc2_bias=None, splits=splits, dprobs=dprobs, bias_term=False)
     torch.cuda.synchronize()
