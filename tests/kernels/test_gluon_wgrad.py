@@ -248,19 +248,26 @@ BF16_GPU_CASES = [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("splits_list, T, N, K", BF16_GPU_CASES)
-def test_bf16_gpu_matches_the_triton_kernel(splits_list, T, N, K, out_dtype):
-    from moemlp.kernels.gemm import launch
-    from moemlp.kernels.gluon import wgrad, wgrad_supports, why_unavailable
+def _bf16_operands(splits_list, T, N, K):
+    """G (T, N), X (T, K) bf16 and the splits on the GPU, seeded; skips where the engine is unavailable."""
+    from moemlp.kernels.gluon import why_unavailable
 
     if why_unavailable():
         pytest.skip(why_unavailable())
     torch.manual_seed(0)
     g = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
-    splits = torch.tensor(splits_list, device="cuda", dtype=torch.int64)
+    return g, x, torch.tensor(splits_list, device="cuda", dtype=torch.int64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("splits_list, T, N, K", BF16_GPU_CASES)
+def test_bf16_gpu_matches_the_triton_kernel(splits_list, T, N, K, out_dtype):
+    from moemlp.kernels.gemm import launch
+    from moemlp.kernels.gluon import wgrad, wgrad_supports
+
+    g, x, splits = _bf16_operands(splits_list, T, N, K)
     E = len(splits_list)
     assert wgrad_supports(g, x, out_dtype, E) == ""
     dw = wgrad(g, x, splits, out_dtype)
@@ -291,14 +298,9 @@ def test_bf16_gpu_acc_scale_matches_the_triton_kernel(splits_list, T, N, K, out_
     ACC_SCALE (``acc_factors``) on the same bf16 values: the same chained accumulator times the same
     fp32 factor before the one rounding, so the same bits; an empty expert's dW 0."""
     from moemlp.kernels.gemm import launch
-    from moemlp.kernels.gluon import wgrad, why_unavailable
+    from moemlp.kernels.gluon import wgrad
 
-    if why_unavailable():
-        pytest.skip(why_unavailable())
-    torch.manual_seed(0)
-    g = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
-    splits = torch.tensor(splits_list, device="cuda", dtype=torch.int64)
+    g, x, splits = _bf16_operands(splits_list, T, N, K)
     f = launch._product((torch.tensor(3.7e-3, device="cuda"), torch.tensor(81.37, device="cuda")))
     dw = wgrad(g, x, splits, out_dtype, acc_scale=f)
     ref = torch.empty_like(dw)
