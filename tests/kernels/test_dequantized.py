@@ -178,6 +178,53 @@ def test_dequantized_wgrad_matches_qdq_wgrad(device, dtype, key, nan_empty):
             assert not got[sum(splits) :].cpu().view(torch.int32).any(), what + ": rows past Σsplits not +0"
 
 
+# K not a multiple of the 64-column tile or of the 32-wide block: a tile's last block is partial
+BOTH_CASES = WGRAD_CASES + [([40, 0, 7, 50], 5, 70), ([3, 29], 2, 100)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantized_both_is_the_two_passes(device, dtype, nan_empty):
+    """mxfp8's one-read pass: ``rows`` is qdq(t, -1) and ``wgrad`` the act operand of qdq_wgrad, bit
+    for bit, rows past Σsplits included (there ``rows`` quantizes t's rows, ``wgrad`` is +0); and
+    both equal the two kernels' values in the MLP's form, an fp32 source onto bf16
+    (tiny_blocks_exact=False)."""
+    from moemlp.kernels.quant import api as kq
+
+    r = recipe("mxfp8")
+    cases = BOTH_CASES + ([([1000, 0, 37, 2048, 500], 64, 512)] if device == "cuda" else [])
+    special = _special(dtype, device)  # NaN, ±Inf, tiny and huge rows: 6 rows, two experts
+    for seed, (splits, capacity, K) in enumerate(cases + [([4, 1], 1, 64)]):
+        T = sum(splits) + capacity
+        t = special if K == 64 else (_data((T, K), dtype, 60 + seed) if T else torch.zeros(0, K, dtype=dtype))
+        s = torch.tensor(splits, dtype=torch.int32)
+        what = f"{dtype} splits {splits}+{capacity} K {K}"
+        out_dtype = kq.exact_dtype(r, dtype)
+        rows, wg = kq.dequantized_both(t.to(device), s.to(device), r, out_dtype=out_dtype)
+        _bitwise(_contract(rows, None, out_dtype, device), r.qdq(t, -1), what + " rows")
+        _bitwise(_contract(wg, None, out_dtype, device), r.qdq_wgrad(t, t, s)[1], what + " wgrad")
+        assert not wg[sum(splits) :].cpu().view(torch.int16 if out_dtype != torch.float32 else torch.int32).any()
+        # the MLP's call: bf16 values whatever the source, as the two kernels give them
+        rows, wg = kq.dequantized_both(t.to(device), s.to(device), r, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
+        one, _ = kq.dequantized(t.to(device), r, -1, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
+        two, _ = kq.dequantized_wgrad(t.to(device), s.to(device), r, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
+        for got, want, name in ((rows, one, "rows"), (wg, two, "wgrad")):
+            assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16)), (
+                f"{what} {name}: bf16 bits differ from the separate pass's"
+            )
+
+
+def test_dequantized_both_refuses_other_recipes():
+    from moemlp.kernels.quant import api as kq
+
+    t, s = torch.zeros(4, 64, dtype=torch.bfloat16), torch.tensor([4])
+    for key in ("nvfp4", "fp8_block"):
+        with pytest.raises(ValueError, match="mxfp8 only"):
+            kq.dequantized_both(t, s, recipe(key))
+    with pytest.raises(ValueError, match=r"2\^-133"):
+        kq.dequantized_both(t.float(), s, recipe("mxfp8"))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("key", ["mxfp8", "fp8_block:pow2_scales=1"])
 def test_bf16_exact_above_the_amax_boundary(device, key, nan_empty):

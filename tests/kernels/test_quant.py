@@ -359,10 +359,10 @@ def test_fp8_block_scale_divisions_have_no_slow_path_call():
     if not getattr(formats.HW_E4M3, "value", formats.HW_E4M3):
         pytest.skip("the interpreter's division")
     ptrs = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp32", "amax_ptr": "*fp32", "codes_t_ptr": "*u8",
-            "row_start_ptr": "*i64", "row_count_ptr": "*i32"}  # fmt: skip
+            "row_start_ptr": "*i64", "row_count_ptr": "*i32", "rows_ptr": "*bf16"}  # fmt: skip
     rowwise = dict(RECIPE=0, AXIS=1, BM=32, BK=128, NB=1, POW2=False, VMAX=3.0e38, DEQUANT=False, STORE_T=False)
     wgrad = dict(RECIPE=0, B=128, BK=32, POW2=False, VMAX=3.0e38, HADAMARD=False, STOCHASTIC=False, AMAX_ONLY=False,
-                 DEQUANT=False, STORE_T=True, STORE_ROWS=False)  # fmt: skip
+                 DEQUANT=False, STORE_T=True, STORE_ROWS=False, ROWS=False)  # fmt: skip
     for kernel, const in ((kernels._quantize_kernel, rowwise), (kernels._wgrad_kernel, wgrad)):
         names = set(kernel.arg_names)
         ptx, sass, usage = _sm90.compile_sm90(kernel, const, {k: v for k, v in ptrs.items() if k in names}, None, 4, 1)

@@ -45,6 +45,7 @@ __all__ = [
     "dequantized",
     "dequantized_weight",
     "dequantized_wgrad",
+    "dequantized_both",
     "exact_dtype",
 ]
 
@@ -268,12 +269,14 @@ def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tens
 
 
 def _wgrad_launch(
-    t: Tensor, splits: Tensor, recipe, is_grad: bool, out: Tensor | None, transposed: bool = False, blocks=None
+    t: Tensor, splits: Tensor, recipe, is_grad: bool, out: Tensor | None, transposed: bool = False, blocks=None,
+    rows_out: Tensor | None = None,
 ):
     """Both passes of a wgrad operand: nvfp4's amax pass, then the codes and scales (``out`` None) or
-    the values written into ``out`` (T, K). Returns (codes, scales, rows, amax, factor, codes_t), the
-    unused ones None (amax: nvfp4's tensor amax): factor is nvfp4's 1/S_enc for ``out``; codes_t the
-    (K, P) transposed codes.
+    the values written into ``out`` (T, K); with ``rows_out`` (mxfp8, ``out`` given) the same pass
+    writes there t's values quantized along K, as ``dequantized(t, recipe)``. Returns (codes, scales,
+    rows, amax, factor, codes_t), the unused ones None (amax: nvfp4's tensor amax): factor is nvfp4's
+    1/S_enc for ``out``; codes_t the (K, P) transposed codes.
     ``blocks``: the ``row_blocks`` of these splits, rows and block, computed once by the caller."""
     rid = recipe_id(recipe)
     B = recipe.block
@@ -291,6 +294,8 @@ def _wgrad_launch(
         raise TypeError(f"blocks: expected tensors on {t.device}, got {blocks.start.device}")
     start, count, rows, nb, _ = blocks
     bk, warps = WGRAD_TILE[B]
+    if rows_out is not None and (rid != _MXFP8 or out is None or bk % B):
+        raise ValueError(f"rows_out: mxfp8's values only, on tiles whose {bk} columns hold whole {B}-wide blocks")
     grid = (nb, cdiv(K, bk))
     hadamard = rid == _NVFP4 and recipe.hadamard
     stochastic = rid == _NVFP4 and recipe.stochastic_rounding and is_grad
@@ -316,20 +321,20 @@ def _wgrad_launch(
         if rid == _NVFP4:
             partial = torch.empty(grid, dtype=torch.float32, device=t.device)
             launch(_wgrad_kernel, grid,
-                t, start, count, partial, partial, partial, T, K, partial, AMAX_ONLY=True, DEQUANT=False,
-                STORE_T=False, STORE_ROWS=False, **common,
+                t, start, count, partial, partial, partial, T, K, partial, partial, AMAX_ONLY=True, DEQUANT=False,
+                STORE_T=False, STORE_ROWS=False, ROWS=False, **common,
             )  # fmt: skip
             amax = partial.amax()
         if out is None:
             launch(_wgrad_kernel, grid,
-                t, start, count, codes, scales, amax, T, K, codes_t if transposed else codes, AMAX_ONLY=False,
-                DEQUANT=False, STORE_T=transposed, STORE_ROWS=not transposed, **common,
+                t, start, count, codes, scales, amax, T, K, codes_t if transposed else codes, codes, AMAX_ONLY=False,
+                DEQUANT=False, STORE_T=transposed, STORE_ROWS=not transposed, ROWS=False, **common,
             )  # fmt: skip
         else:
             s_dec = factor if factor is not None else out
             launch(_wgrad_kernel, grid,
-                t, start, count, out, s_dec, amax, T, K, out, AMAX_ONLY=False, DEQUANT=True, STORE_T=False,
-                STORE_ROWS=False, **common,
+                t, start, count, out, s_dec, amax, T, K, out, out if rows_out is None else rows_out, AMAX_ONLY=False,
+                DEQUANT=True, STORE_T=False, STORE_ROWS=False, ROWS=rows_out is not None, **common,
             )  # fmt: skip
     elif factor is not None:
         factor.fill_(1.0)  # no columns: amax 0, S_enc 1
@@ -514,3 +519,27 @@ def dequantized_wgrad(
     values = torch.empty(t.shape, dtype=out_dtype, device=t.device)
     _, _, _, _, factor, _ = _wgrad_launch(t, splits, recipe, is_grad, values, blocks=blocks)
     return values, factor
+
+
+def dequantized_both(
+    t: Tensor,
+    splits: Tensor,
+    recipe,
+    out_dtype: torch.dtype = torch.bfloat16,
+    tiny_blocks_exact: bool = True,
+    blocks: RowBlocks | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(rows, wgrad) of a (T, K) operand read by a GEMM along K and by a weight gradient along its
+    rows, under mxfp8: ``dequantized(t, recipe)``'s values and ``dequantized_wgrad(t, splits,
+    recipe)``'s, bit for bit, from one pass that reads t once (the two passes read it twice).
+    ``tiny_blocks_exact`` and ``blocks`` as there. mxfp8 only: nvfp4's two orientations need two
+    tensor amaxes (the wgrad one after the Hadamard rotation) before any value, fp8_block's
+    128-wide blocks give up the narrow tiles that keep the loads in flight (docs/DECISIONS.md)."""
+    _check_wgrad(t, splits)
+    if recipe_id(recipe) != _MXFP8:
+        raise ValueError(f"recipe: dequantized_both takes mxfp8 only, got {getattr(recipe, 'name', recipe)!r}")
+    _check_out_dtype(recipe, t.dtype, out_dtype, tiny_blocks_exact)
+    rows = torch.empty(t.shape, dtype=out_dtype, device=t.device)
+    wgrad = torch.empty(t.shape, dtype=out_dtype, device=t.device)
+    _wgrad_launch(t, splits, recipe, False, wgrad, blocks=blocks, rows_out=rows)
+    return rows, wgrad

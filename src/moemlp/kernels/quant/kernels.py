@@ -366,6 +366,7 @@ def _wgrad_kernel(
     T,
     K,
     codes_t_ptr,  # STORE_T: uint8 (K, NB·B), the padded codes transposed
+    rows_ptr,  # ROWS: (T, K) the same rows dequantized along K instead, in 1×B blocks, output dtype
     RECIPE: tl.constexpr,
     B: tl.constexpr,  # rows per block: 128, 32, 16
     BK: tl.constexpr,
@@ -377,6 +378,7 @@ def _wgrad_kernel(
     DEQUANT: tl.constexpr,  # write code·block_scale back to the source rows instead of codes and scales
     STORE_T: tl.constexpr,  # store the codes transposed (fp8_block, mxfp8)
     STORE_ROWS: tl.constexpr,  # store the codes in rows (P, K); off with STORE_T: the wgrad GEMM reads only codes_t
+    ROWS: tl.constexpr,  # mxfp8 DEQUANT: also write the rows' values quantized along K (``rows_ptr``)
 ):
     pid_b = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -386,10 +388,20 @@ def _wgrad_kernel(
     rk = pid_k * BK + tl.arange(0, BK)
     mask = (r < count)[:, None] & (rk < K)[None, :]
     src = (start + r)[:, None] * K + rk[None, :]  # int64: T·K passes 2^31 for long batches
-    x = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
     # DEQUANT: a used block writes its rows; an unused one (count 0, x all zero, values +0) zeroes
     # rows [start, start + B) past Σsplits, so every row of the output is written exactly once
     out_mask = tl.where(count > 0, r < count, start + r < T)[:, None] & (rk < K)[None, :]
+    if ROWS:
+        # every row this program writes, those past Σsplits too: their 1×B blocks along K are the
+        # rowwise pass's (``dequantized``), while the row blocks see zeros there
+        x_rows = tl.load(x_ptr + src, mask=out_mask, other=0.0).to(tl.float32)
+        x = tl.where(mask, x_rows, 0.0)
+        e_r = e8m0_exponent(_per_block_max(abs_or_zero(x_rows), B, BK // B, B))  # (B, BK // B)
+        codes_r = e4m3_code(x_rows * _per_block_spread(e8m0_quant_multiplier(e_r), B, BK // B, B))
+        values_r = e4m3_signed_value(codes_r) * _per_block_spread(e8m0_dequant_multiplier(e_r), B, BK // B, B)
+        tl.store(rows_ptr + src, values_r.to(rows_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        x = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
     if HADAMARD:
         x = tl.where(count == 16, hadamard16_rows(x, BK), x)
     if AMAX_ONLY:
