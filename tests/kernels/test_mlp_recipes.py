@@ -205,6 +205,58 @@ def test_cpu_backward_builds_the_wgrad_row_blocks_once(key, monkeypatch):
     assert calls == [(16, cfg.recipe.block)], calls
 
 
+def _one_read_against_two(t, cfg, needs, monkeypatch):
+    """grouped_mlp_bwd under mxfp8 with dy's and g_h's operands from one pass each (``operands.both``)
+    and with the two passes each: returns (both's calls, the dequantized_wgrad calls of each, the
+    two backwards' gradients)."""
+    from moemlp.kernels import operands
+    from moemlp.kernels.quant import api as kq
+
+    args = (t["splits"], t["probs"], t["fc1_weight"], t["fc2_weight"], t["fc1_bias"], t["fc2_bias"])
+    _, h = K.grouped_mlp_fwd(t["x"], *args, cfg)
+    calls = {"both": 0, "wgrad": 0}
+
+    def counted(name, fn):
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
+
+    monkeypatch.setattr(kq, "dequantized_both", counted("both", kq.dequantized_both))
+    monkeypatch.setattr(kq, "dequantized_wgrad", counted("wgrad", kq.dequantized_wgrad))
+    one = K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, needs)
+    counts = dict(calls)
+    monkeypatch.setattr(operands, "one_read", lambda recipe: False)
+    calls.update(both=0, wgrad=0)
+    two = K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, needs)
+    return counts, dict(calls), one, two
+
+
+# (needs, both's passes, dequantized_wgrad's passes with both) for dx, dprobs, dW1, dW2, db1, db2:
+# both for dy where dW2 is wanted, for g_h where dx and dW1 are
+ONE_READ_NEEDS = [
+    ((True,) * 6, 2, 2),  # x's and z's row blocks stay passes of their own
+    ((True, True, False, True, True, True), 1, 1),  # no dW1: g_h's one consumer reads it once anyway
+    ((False, True, True, False, True, False), 0, 2),  # no dW2: dy's one consumer likewise
+]
+
+
+def _assert_same_bits(one, two):
+    for name, a, b in zip(GRADS, one, two):
+        if a is None:
+            assert b is None, name
+        else:
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ"
+
+
+@interpreted
+@pytest.mark.parametrize("needs,n_both,n_wgrad", ONE_READ_NEEDS)
+def test_cpu_mxfp8_one_read_gives_the_two_passes_bits(needs, n_both, n_wgrad, monkeypatch):
+    # an empty expert, capacity rows, H = 56 and F = 24 ending in partial 32-blocks, biases
+    t, cfg = make((5, 0, 9), 56, 24, M=18, scale_fc2_bias=True)
+    counts, two_counts, one, two = _one_read_against_two(t, with_recipe(cfg, "mxfp8"), needs, monkeypatch)
+    assert counts == {"both": n_both, "wgrad": n_wgrad}, counts
+    assert two_counts["both"] == 0
+    _assert_same_bits(one, two)
+
+
 EMULATED = ["mxfp8", "nvfp4:hadamard=0,stochastic_rounding=0"]
 
 
@@ -344,6 +396,20 @@ def test_gpu_matches_torch_emulation(case, key):
     for name, a, b in zip(GRADS, grads, again):
         if a is not None:
             assert torch.equal(a, b), f"{name}: not bitwise repeatable"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_mxfp8_one_read_gives_the_two_passes_bits(case, monkeypatch):
+    """At the GPU cases (the engine's and CUTLASS's weight gradients, which are deterministic): every
+    gradient of the step with one pass each for dy and g_h equals the two passes' bit for bit."""
+    from test_triton_backend import gpu_problem
+
+    _, (E, H, F, rows, empty, cap, kw) = case
+    t, cfg = gpu_problem(E, H, F, rows, empty, cap, **kw)
+    counts, _, one, two = _one_read_against_two(t, with_recipe(cfg, "mxfp8"), (True,) * 6, monkeypatch)
+    assert counts == {"both": 2, "wgrad": 2}, counts
+    _assert_same_bits(one, two)
 
 
 NVFP4 = "nvfp4:hadamard=0,stochastic_rounding=0"  # deterministic: two runs quantize alike

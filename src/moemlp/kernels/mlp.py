@@ -6,6 +6,8 @@ Forward, two launches:   FC1 (x @ W1ᵀ, epilogue: bias, act, ·p → h, z)   FC
 Backward, up to six:     FC2_DGRAD (dy @ W2, epilogue: dprobs partials, g_h, round(z))
                          dprobs reduce    FC1_DGRAD (g_h @ W1 → dx)
                          wgrad dW1 (+ db1)    wgrad dW2 (+ db2)    [db alone when dW is not needed]
+                         (under mxfp8 dW2 right after FC2_DGRAD, dy's and g_h's operands from one
+                         pass each: operands.both)
 
 Inputs arrive validated (_validate.py): contiguous, on one device, splits of an integer dtype on
 that device. Nothing here reads a tensor's values on the host (no .item(), .tolist(), .cpu(),
@@ -169,31 +171,53 @@ def grouped_mlp_bwd(
     # the forward's or quantize_weights' dgrad operand where given, else quantized once, for the dgrad only here
     w1, w2 = operands.dgrad_weights((fc1_weight, fc2_weight), r, saved)
     blocks = operands.WgradBlocks(splits, M, r)
+
+    def wgrad2(z: Optional[Tensor], dy_values: Optional[Tensor] = None):
+        return operands.wgrad(
+            dy, z, splits, r, dtype=x.dtype, dw_dtype=wgrad_dtype or fc2_weight.dtype,
+            bias=fc2_bias if need_db2 else None, probs=probs, scale_bias=cfg.scale_fc2_bias, blocks=blocks,
+            transposed=weight_is_transposed(fc2_weight), g_values=dy_values,
+        )  # fmt: skip
+
+    dw2 = db2 = None
+    one_read = False  # dW2 run already, right after FC2_DGRAD
     if need_g_h or need_dprobs or need_dw2:
         # One FC2 dgrad pass gives every consumer of g_z: dprobs partials, g_h, and round(z) for
         # dW2 (recomputed from h here rather than in the wgrad kernel's prologue).
         g_h = torch.empty((M, N1), dtype=inter, device=device)
         z = torch.empty((M, F), dtype=inter, device=device) if need_dw2 else None
+        # mxfp8: dy's two operands (along H for FC2_DGRAD, along the rows for dW2) from one read of
+        # dy, and dW2 right after FC2_DGRAD so its values are not held through FC1_DGRAD and dW1
+        one_read = operands.one_read(r) and need_dw2
+        dy_op, dy_values = operands.both(dy, splits, r, blocks) if one_read else (operands.act(dy, r), None)
         # FC2_DGRAD: g_z = dy @ W2[e]
-        partial = operands.gemm("fc2_dgrad", dy, w2, splits=splits, out=g_h, probs=probs, z=z, h=h,
-                                dprobs_partials=need_dprobs, N=F, K=H, N1=N1, cfg=cfg)  # fmt: skip
+        partial = operands.gemm_on("fc2_dgrad", dy_op, w2, splits=splits, out=g_h, probs=probs, z=z, h=h,
+                                   dprobs_partials=need_dprobs, N=F, K=H, N1=N1, cfg=cfg)  # fmt: skip
+        del dy_op
+        if one_read:
+            dw2, db2 = wgrad2(z, dy_values)
+            del dy_values
+            z = None
         if need_dprobs:
             dprobs = torch.empty((M,), dtype=probs.dtype, device=device)
             launch.launch_dprobs_reduce(
                 partial=partial, dy=dy, fc2_bias=fc2_bias, splits=splits, dprobs=dprobs,
                 bias_term=cfg.scale_fc2_bias and fc2_bias is not None,
             )
+        # mxfp8: g_h's two operands (FC1_DGRAD's, dW1's) from one read of the fp32 g_h likewise
+        g_values = None
         if need_dx:
             # FC1_DGRAD: dx = g_h @ W1[e]
             dx = torch.empty((M, H), dtype=x.dtype, device=device)
-            operands.gemm("fc1_dgrad", g_h, w1, splits=splits, out=dx, N=H, K=N1, N1=N1, cfg=cfg)
+            g_op, g_values = (operands.both(g_h, splits, r, blocks) if operands.one_read(r) and need_dw1
+                              else (operands.act(g_h, r), None))  # fmt: skip
+            operands.gemm_on("fc1_dgrad", g_op, w1, splits=splits, out=dx, N=H, K=N1, N1=N1, cfg=cfg)
+            del g_op
         dw1, db1 = operands.wgrad(
             g_h, x if need_dw1 else None, splits, r, dtype=x.dtype, dw_dtype=wgrad_dtype or fc1_weight.dtype,
             bias=fc1_bias if need_db1 else None, blocks=blocks, transposed=weight_is_transposed(fc1_weight),
+            g_values=g_values,
         )  # fmt: skip
-    dw2, db2 = operands.wgrad(
-        dy, z, splits, r, dtype=x.dtype, dw_dtype=wgrad_dtype or fc2_weight.dtype,
-        bias=fc2_bias if need_db2 else None, probs=probs, scale_bias=cfg.scale_fc2_bias, blocks=blocks,
-        transposed=weight_is_transposed(fc2_weight),
-    )  # fmt: skip
+    if not one_read:
+        dw2, db2 = wgrad2(z)
     return dx, dprobs, dw1, dw2, db1, db2

@@ -79,6 +79,22 @@ class WeightOperand:
     factor: Optional[Tensor] = None
 
 
+def one_read(recipe) -> bool:
+    """Whether a tensor that a GEMM reads along K and a weight gradient along its rows (dy, g_h) takes
+    both operands from one pass (``both``): mxfp8, whose operands are values in the tensor's own
+    layout with no per-tensor factor (kernels/quant ``dequantized_both``)."""
+    return recipe is not None and recipe.name == "mxfp8"
+
+
+def both(t: Tensor, splits: Tensor, recipe, blocks: WgradBlocks) -> tuple[ActOperand, Tensor]:
+    """(``act(t, recipe)``, the dequantized values ``wgrad`` makes of t as its gradient operand),
+    the same bits, from one pass over t (``one_read`` recipes): pass the second as ``wgrad``'s
+    ``g_values``."""
+    rows, wgrad_values = kq.dequantized_both(t, splits, recipe, out_dtype=torch.bfloat16, tiny_blocks_exact=False,
+                                             blocks=blocks.get())  # fmt: skip
+    return ActOperand(rows), wgrad_values
+
+
 def act(t: Tensor, recipe) -> ActOperand:
     if recipe is None:
         return ActOperand(t)
@@ -575,6 +591,7 @@ def wgrad(
     scale_bias: bool = False,
     blocks: Optional[WgradBlocks] = None,  # shared by the wgrads of one backward; None: computed here
     transposed: bool = False,  # dW stored as a contiguous (E, Q, P), returned as its (E, P, Q) view
+    g_values: Optional[Tensor] = None,  # an mxfp8 g's dW operand made already (``both``)
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """(dW, db): dW (E, P, Q) in dw_dtype, dW[e] = g[R_e]ᵀ @ x[R_e] (None without x), db = Σ_{R_e}
     g (· probs) in bias's dtype (None without bias). Without a recipe one launch computes both; under
@@ -606,9 +623,14 @@ def wgrad(
             g_op = kq.quantize_wgrad(g, splits, recipe, is_grad=True, transposed=True, blocks=rows)
             x_op = kq.quantize_wgrad(x, splits, recipe, is_grad=False, transposed=True, blocks=rows)
         else:
-            g_v, g_factor = kq.dequantized_wgrad(
-                g, splits, recipe, is_grad=True, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows
-            )
+            if g_values is None:
+                g_v, g_factor = kq.dequantized_wgrad(
+                    g, splits, recipe, is_grad=True, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows
+                )
+            elif not one_read(recipe) or g_values.shape != g.shape or g_values.dtype != torch.bfloat16:
+                raise ValueError("g_values: the bf16 values of operands.both(g, ...) under mxfp8")
+            else:
+                g_v, g_factor = g_values, None
             x_v, x_factor = kq.dequantized_wgrad(
                 x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows
             )
