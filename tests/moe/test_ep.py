@@ -239,9 +239,8 @@ def _worker(rank, world, port, device_type, dtype, errors):
         gc.collect()  # layers, graphs and tracebacks in reference cycles let go of the groups now
         dist.barrier()  # on the healthy default group, with its timeout
         dist.destroy_process_group()
-        # The group's threads can stop after destroy returns: with 8 ranks on 2 cores one
-        # rank's tcp loop was still there at the first look (one fresh-clone suite run of two), so look
-        # for up to 10 s.
+        # The group's threads can stop shortly after destroy returns (8 ranks on 2 cores), so look for
+        # up to 10 s.
         stop = time.monotonic() + 10
         while (left := _gloo_threads()) and time.monotonic() < stop:
             time.sleep(0.05)
