@@ -213,6 +213,29 @@ def test_wgrad_quantizer_at_a_model_shape_gpu():
         _same(a.scales, b.scales, f"{key} scales")
 
 
+@pytest.mark.long(seconds=60)
+@pytest.mark.gpu
+def test_weight_quantizer_at_a_model_shape_gpu():
+    """fp8_block's weight tile kernel with the dgrad's K-major copy (``transposed=True``) at
+    qwen3-30b-a3b's two weights, fp32 and bf16 masters: the grid of a real step, past the small
+    cases above, where a variant without the select before the store wrote wrong transposed codes
+    (docs/DECISIONS.md, "the bare conversion")."""
+    from moemlp.bench.common import GPU_SHAPES, routed_problem
+    from moemlp.kernels.quant import api as kq
+
+    w1, w2 = routed_problem(GPU_SHAPES["qwen3-30b-a3b"], "cuda", dtype=torch.float32)[3:5]
+    r = from_key("fp8_block")
+    for name, w in (("fc1", w1), ("fc2", w2)):
+        for dtype in (torch.float32, torch.bfloat16):
+            wd = w.to(dtype)
+            a, b = kq.quantize_weight(wd, r, transposed=True), r.quantize_weight(wd.cpu())
+            what = f"{name} {tuple(w.shape)} {dtype}"
+            _same(a.codes, b.codes, what + " codes")
+            _same(a.scales, b.scales, what + " scales")
+            _same(a.codes_t, b.codes.transpose(-2, -1).contiguous(), what + " codes_t")
+            del a, b, wd
+
+
 def test_launcher_rejects_bad_inputs():
     from moemlp.kernels.quant import api as kq
 
