@@ -20,7 +20,7 @@ needs_gluon = pytest.mark.skipif(bool(_compat.missing()), reason=f"triton lacks:
 
 
 def _compile_sm90(G: int, act: int, probs: str, z: str, bias: bool, scaled: bool = True, e_block: int = 128,
-                  coop: bool = False, store_z: bool = True, acc_scale: bool = False):
+                  coop: bool = False, store_z: bool = True, acc_scale: bool = False, mx_z: bool = False):
     from moemlp.kernels.gluon import _engine, _fc1
 
     gl = _compat.gl
@@ -38,7 +38,7 @@ def _compile_sm90(G: int, act: int, probs: str, z: str, bias: bool, scaled: bool
 
     constexprs = dict(BM=BM, BN=BN, BK=BK, STAGES=stages, GROUP_M=_launch.GROUP_M, E_BLOCK=e_block, G=G, ACT=act,
                       HAS_BIAS=bias, HAS_PROBS=True, STORE_Z=store_z, SCALED=scaled,
-                      A_PARTS=2 if scaled or coop else 1, ACC_SCALE=acc_scale)
+                      A_PARTS=2 if scaled or coop else 1, ACC_SCALE=acc_scale, MX_Z=mx_z)
     z_ty = gl.float32 if z == "fp32" else gl.bfloat16
     sig = {"a_desc": desc([BM, BK]), "b_desc": desc([BN // 2, BK]), "h_desc": desc([BM, BN // 2], "bf16", gl.bfloat16),
            "z_desc": desc([BM, BN // 2], z, z_ty), "h_ptr": "*bf16", "z_ptr": f"*{z}",
@@ -320,6 +320,47 @@ def test_gpu_acc_scale_matches_the_triton_kernel(splits_list, M, H, F, G, activa
                           acc_scale=True)  # fmt: skip
 
 
+# mxfp8's z values from the epilogue (z bf16): (cases of GPU_CASES and COOP_CASES with a bf16 z, cooperative)
+MX_Z_CASES = [
+    pytest.param(*GPU_CASES[1].values[:-1], torch.bfloat16, False, id="G64-bias-odd-H"),  # ping-pong, boundary tiles
+    pytest.param(*GPU_CASES[4].values[:-1], torch.bfloat16, False, id="splits-past-M"),  # F = 3 ping-pong tiles
+    pytest.param(*COOP_CASES[0].values, True, id="cooperative-mixtral-like"),  # 4 blocks a tile row, capacity rows
+    pytest.param(*COOP_CASES[1].values, True, id="cooperative-G128-bias-odd-H"),
+    pytest.param(*COOP_CASES[3].values, True, id="all-capacity"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, cooperative",
+                         MX_Z_CASES)  # fmt: skip
+def test_gpu_z_mx_is_the_rowwise_pass_of_the_fp32_z(splits_list, M, H, F, G, activation, params, bias, probs_dtype,
+                                                    z_dtype, cooperative):  # fmt: skip
+    """``z_mx``: the bf16 z the epilogue writes is the Triton kernel's fp32 z through mxfp8's rowwise
+    pass (``dequantized(z, mxfp8)``, as the step ran it), bit for bit; h the Triton kernel's."""
+    _check_against_triton(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, False, cooperative,
+                          z_mx=True)  # fmt: skip
+
+
+@needs_gluon
+@pytest.mark.parametrize("coop", [False, True], ids=["ping-pong", "cooperative"])
+def test_offline_sm90_compile_z_mx(coop):
+    """``z_mx`` on bf16 tiles: the same mainloop, registers (no spill) and shared memory as without it;
+    the epilogue's e4m3 codes by the hardware conversion, two values an instruction, over a
+    consumer's 8192 z values (ping-pong 128 × 64, cooperative 64 × 128) on its 128 threads, and the
+    1×32 blocks' amax across the 4 threads that share a row's columns (shuffles, no barrier more)."""
+    off = _compile_sm90(768, 0, "fp32", "bf16", False, scaled=False, coop=coop)
+    on = _compile_sm90(768, 0, "fp32", "bf16", False, scaled=False, coop=coop, mx_z=True)
+    for sass, usage, _ in (off, on):
+        assert int(re.search(r"LOCAL:(\d+)", usage).group(1)) == 0 and not re.search(r"\b(STL|LDL)\b", sass)
+    assert re.search(r"REG:(\d+)", on[1]).group(1) == re.search(r"REG:(\d+)", off[1]).group(1)
+    assert on[2] == off[2]
+    assert len(re.findall(r"F2FP\.SATFINITE\.E4M3", on[0])) == 2 * 8192 // 128 // 2
+    assert not re.search(r"E4M3", off[0])
+    for op in ("HGMMA", "BAR.SYNC", "UTMASTG"):
+        assert on[0].count(op) == off[0].count(op), op
+    assert on[0].count("SHFL") > off[0].count("SHFL")
+
+
 @pytest.mark.parametrize(
     "change, words",
     [
@@ -355,7 +396,7 @@ def test_cooperative_by_default_on_large_experts():
 
 
 def _check_against_triton(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, fp8, cooperative,
-                          acc_scale=False):  # fmt: skip
+                          acc_scale=False, z_mx=False):  # fmt: skip
     from moemlp._config import MLPConfig
     from moemlp.kernels import operands
     from moemlp.kernels.gemm import launch
@@ -384,14 +425,22 @@ def _check_against_triton(splits_list, M, H, F, G, activation, params, bias, pro
     f = launch._product((torch.tensor(3.7e-3, device=dev), torch.tensor(81.37, device=dev))) if acc_scale else None
     if acc_scale:
         scales["acc_scale"] = f
+    if z_mx:
+        scales["z_mx"] = True
     fc1(a_op.a, b_op.b, splits, h, z=z, bias=b1, probs=probs, glu_interleave=G, activation_id=spec.kernel_id,
         params=pp, cooperative=cooperative, **scales)  # fmt: skip
-    h_t, z_t = torch.empty_like(h), None if z is None else torch.empty_like(z)
+    h_t = torch.empty_like(h)
+    # z_mx: the Triton kernel's fp32 z, then the rowwise mxfp8 pass the step ran before (its bf16 values)
+    z_t = None if z is None else torch.empty(z.shape, device=dev, dtype=torch.float32 if z_mx else z.dtype)
     launch.launch_grouped_gemm(
         "fc1", a=a_op.a, b=b_op.b, b_strides=b_op.strides, splits=splits, out=h_t, N=F, K=H, N1=2 * F,
         cfg=MLPConfig(spec, tuple(params), G, False), probs=probs, bias=b1, z=z_t, a_scales=a_op.scales,
         b_scales=b_op.scales, b_scale_strides=b_op.scale_strides, acc_factors=(f,),
     )  # fmt: skip
+    if z_mx:
+        from moemlp.kernels.quant import api as kq
+
+        z_t = kq.dequantized(z_t, recipe("mxfp8"), -1, out_dtype=torch.bfloat16, tiny_blocks_exact=False)[0]
     torch.cuda.synchronize()
     routed = min(sum(splits_list), M)
     assert not torch.isnan(h).any(), "h left unwritten"

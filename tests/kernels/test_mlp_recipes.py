@@ -257,6 +257,24 @@ def test_cpu_mxfp8_one_read_gives_the_two_passes_bits(needs, n_both, n_wgrad, mo
     _assert_same_bits(one, two)
 
 
+def test_z_values_need_fc1_on_the_engine():
+    # Off the engine (here: tensors on the CPU) FC1 stores the fp32 z; asking for its values anyway
+    # is an error before any launch, not an fp32 z read as values.
+    from moemlp.kernels import operands
+
+    t, cfg = make((5, 0, 9), 64, 64, M=16)
+    cfg = with_recipe(cfg, "mxfp8")
+    w = t["fc1_weight"]
+    w1 = operands.Weight(w, cfg.recipe)
+    b1 = operands.WeightOperand(w, (w.shape[1] * w.shape[2], w.shape[2], 1))  # as the values would come
+    h = torch.empty(16, 128, dtype=t["x"].dtype)
+    z, values = operands.fc1_z(operands.ActOperand(t["x"]), b1, w1, h, None, 64, cfg)
+    assert not values and z.dtype == torch.float32 and z.shape == (16, 64)
+    with pytest.raises(ValueError, match="engine only"):
+        operands.gemm_on("fc1", operands.ActOperand(t["x"]), w1, b_op=b1, splits=t["splits"], out=h, N=64, K=64,
+                         N1=128, cfg=cfg, z=torch.empty(16, 64, dtype=torch.bfloat16), z_values=True)  # fmt: skip
+
+
 EMULATED = ["mxfp8", "nvfp4:hadamard=0,stochastic_rounding=0"]
 
 
@@ -443,10 +461,16 @@ def test_gpu_emulated_on_the_bf16_kernels(case, key, monkeypatch):
     t, cfg = gpu_problem(E, H, F, rows, empty, cap, **kw)
     cfg = with_recipe(cfg, key)
     args = (t["splits"], t["probs"], t["fc1_weight"], t["fc2_weight"], t["fc1_bias"], t["fc2_bias"])
-    ran = set()
+    ran, z_mx = set(), set()
 
     def recorded(fn_name, fn):
-        return lambda *a, **k: ran.add((fn_name, k.get("acc_scale") is not None)) or fn(*a, **k)
+        def call(*a, **k):
+            ran.add((fn_name, k.get("acc_scale") is not None))
+            if fn_name == "fc1":
+                z_mx.add(bool(k.get("z_mx")))
+            return fn(*a, **k)
+
+        return call
 
     for fn_name in ("fc1", "fc2_dgrad", "grouped_gemm", "wgrad"):
         monkeypatch.setattr(gluon, fn_name, recorded(fn_name, getattr(gluon, fn_name)))
@@ -459,6 +483,8 @@ def test_gpu_emulated_on_the_bf16_kernels(case, key, monkeypatch):
     ours = step()
     factored = key == NVFP4
     assert ran == {(k, factored) for k in EMULATED_KERNELS[name, key]}, ran
+    # mxfp8's FC1 writes FC2's operand, z's values, in its epilogue (no fp32 z, no pass over it)
+    assert z_mx == {key == "mxfp8"}, z_mx
     monkeypatch.setenv("MOEMLP_GLUON", "0")
     monkeypatch.setattr(operands, "_cutlass_wgrad_ok", lambda *a: False)
     ran.clear()

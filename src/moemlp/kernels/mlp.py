@@ -107,13 +107,18 @@ def grouped_mlp_fwd(
     # dropped on return, its codes_t and scales returned for the backward's dgrad.
     saved = operands.saved_dgrad((w1, w2), r, keep_dgrad)
     h = torch.empty((M, N1), dtype=x.dtype, device=x.device)
-    # round(a·p), FC2's input, freed on return; fp32 under a recipe, which quantizes the unrounded z
-    z = torch.empty((M, F), dtype=x.dtype if r is None else torch.float32, device=x.device)
+    x_op, b1 = operands.act(x, r), w1.forward()
+    # round(a·p), FC2's input, freed on return; fp32 under a recipe, which quantizes the unrounded z,
+    # or (mxfp8 with FC1 on the engine) the values that FC2 reads, written by FC1's epilogue
+    z, z_values = operands.fc1_z(x_op, b1, w1, h, fc1_bias, F, cfg)
     y = torch.empty((M, H), dtype=x.dtype, device=x.device)
     # FC1: h = x @ W1[e]ᵀ (+ b1), z = act(h)·p
-    operands.gemm("fc1", x, w1, splits=splits, out=h, z=z, probs=probs, bias=fc1_bias, N=F, K=H, N1=N1, cfg=cfg)
+    operands.gemm_on("fc1", x_op, w1, b_op=b1, splits=splits, out=h, z=z, probs=probs, bias=fc1_bias, N=F, K=H,
+                     N1=N1, cfg=cfg, z_values=z_values)  # fmt: skip
+    del x_op, b1
     # FC2: y = z @ W2[e]ᵀ + b2 (· p with scale_fc2_bias)
-    operands.gemm("fc2", z, w2, splits=splits, out=y, probs=probs, bias=fc2_bias, N=H, K=F, N1=N1, cfg=cfg)
+    z_op = operands.ActOperand(z) if z_values else operands.act(z, r)
+    operands.gemm_on("fc2", z_op, w2, splits=splits, out=y, probs=probs, bias=fc2_bias, N=H, K=F, N1=N1, cfg=cfg)
     return (y, h) if keep_dgrad is None else (y, h, saved)
 
 

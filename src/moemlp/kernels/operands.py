@@ -95,6 +95,21 @@ def both(t: Tensor, splits: Tensor, recipe, blocks: WgradBlocks) -> tuple[ActOpe
     return ActOperand(rows), wgrad_values
 
 
+def fc1_z(x_op: ActOperand, b_op: WeightOperand, weight: Weight, h: Tensor, bias: Optional[Tensor], F: int,
+          cfg) -> tuple[Tensor, bool]:
+    """FC1's z (M, F) for the forward, and whether it holds mxfp8's values: under mxfp8, where FC1
+    runs on the engine (``engine_kernel``), its epilogue writes FC2's operand in bf16 (``gluon.fc1``'s
+    ``z_mx``: the bits ``act`` would make of the fp32 z) instead of the fp32 z and a pass over it; else
+    z in the compute dtype, or fp32 under a recipe (the unrounded values it quantizes)."""
+    M = h.shape[0]
+    r = cfg.recipe
+    if one_read(r):
+        z = torch.empty((M, F), dtype=torch.bfloat16, device=h.device)
+        if engine_kernel("fc1", x_op, b_op, weight, out=h, bias=bias, h=None, z=z, cfg=cfg) == "fc1":
+            return z, True
+    return torch.empty((M, F), dtype=h.dtype if r is None else torch.float32, device=h.device), False
+
+
 def act(t: Tensor, recipe) -> ActOperand:
     if recipe is None:
         return ActOperand(t)
@@ -391,14 +406,19 @@ def gemm_on(
     z: Optional[Tensor] = None,  # (M, F) stored by fc1 (FC2's input) and fc2_dgrad (dW2's)
     h: Optional[Tensor] = None,  # (M, N1) read by fc2_dgrad
     dprobs_partials: bool = False,  # fc2_dgrad: return the dprobs partials
+    b_op: Optional[WeightOperand] = None,  # the weight's operand made already (``fc1_z``), else made here
+    z_values: bool = False,  # fc1: z as mxfp8's values, FC2's operand (``fc1_z`` said the engine runs it)
 ) -> Optional[Tensor]:
     """A @ B with B(n, k) = W[e, n, k] (fc1, fc2) or W[e, k, n] (the dgrads), on A as given and the
     weight's operand under cfg.recipe. Returns the dprobs partials when asked
     (``launch.launch_dprobs_reduce`` sums them), else None. The kernel is ``engine_kernel``'s choice:
     a Gluon kernel where it takes the GEMM, else the Triton kernel."""
     params = tuple(cfg.activation_params) + (0.0,) * (3 - len(cfg.activation_params))
-    b_op = weight.forward() if kind in ("fc1", "fc2") else weight.dgrad()
+    if b_op is None:
+        b_op = weight.forward() if kind in ("fc1", "fc2") else weight.dgrad()
     engine = engine_kernel(kind, a_op, b_op, weight, out=out, bias=bias, h=h, z=z, cfg=cfg)
+    if z_values and engine != "fc1":
+        raise ValueError("z_values: mxfp8's z values come from FC1 on the engine only (fc1_z)")
     # nvfp4's factors: their product (one fp32 rounding, on the device), taken once for either kernel,
     # the engine's acc_scale or the Triton kernel's ACC_SCALE (None without a factor)
     acc_scale = launch._product((a_op.factor, b_op.factor))
@@ -418,7 +438,7 @@ def gemm_on(
         if is_native(cfg.recipe):
             scales = dict(x_scale=a_op.scales, w1_scale=_tile_scales(b_op, N1, K))
         else:
-            scales = dict(acc_scale=acc_scale)
+            scales = dict(acc_scale=acc_scale, **({"z_mx": True} if z_values else {}))
         gluon.fc1(a_op.a, b_op.b, splits, out, z=z, bias=bias, probs=probs, glu_interleave=cfg.glu_interleave,
                   activation_id=cfg.activation.kernel_id, params=params, **scales)  # fmt: skip
         return None

@@ -48,6 +48,7 @@ from __future__ import annotations
 from ._compat import fence_async_shared, gl, gluon, store_wait, tma_store, warp_specialize
 from ._engine import CONSUMER_REGS, PRODUCER_REGS, _glu_rows, _producer, _ring, _tile_loop
 from ._glu import _glu_forward
+from ._mx import mxfp8_values
 
 
 @gluon.jit
@@ -118,7 +119,7 @@ def _halves(acc, BM: gl.constexpr, TILE_N: gl.constexpr):
 def _fc1_epilogue(acc, e, m0, n0, row_end, count, WG: gl.constexpr, args):
     """The engine's epilogue unit (_engine._tile_loop) for FC1. ``args`` = (h_desc, z_desc, h_tiles,
     z_tiles, h_ptr, z_ptr, bias_ptr, probs_ptr, M, N, N1, p0, p1, p2, BM, BN, G, ACT, HAS_BIAS,
-    HAS_PROBS, STORE_Z, SCALED, A_PARTS); the constexprs are read by index into constexpr names (unpacking
+    HAS_PROBS, STORE_Z, SCALED, A_PARTS, MX_Z); the constexprs are read by index into constexpr names (unpacking
     would make them runtime values)."""
     BM: gl.constexpr = args[14]
     BN: gl.constexpr = args[15]
@@ -128,6 +129,7 @@ def _fc1_epilogue(acc, e, m0, n0, row_end, count, WG: gl.constexpr, args):
     HAS_PROBS: gl.constexpr = args[19]
     STORE_Z: gl.constexpr = args[20]
     ONE_H_TILE: gl.constexpr = not args[21]  # bf16: one h tile a consumer, the gate then the up half
+    MX_Z: gl.constexpr = args[23]
     TILE_N: gl.constexpr = BN // 2
     h_desc = args[0]
     z_desc = args[1]
@@ -157,6 +159,8 @@ def _fc1_epilogue(acc, e, m0, n0, row_end, count, WG: gl.constexpr, args):
             rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
             p = gl.load(args[7] + rows, mask=rows < row_end, other=0.0).to(gl.float32)
             z = z * p[:, None]  # fp32 × fp32: an fp32 probs is never rounded
+        if MX_Z:
+            z = mxfp8_values(z, BM, TILE_N)  # FC2's operand, from the fp32 z
         z_smem.store(z.to(z_desc.dtype))
     if ONE_H_TILE:
         if STORE_Z:
@@ -195,13 +199,13 @@ def _consumer(a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
               E_BLOCK: gl.constexpr, G: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
               HAS_PROBS: gl.constexpr, STORE_Z: gl.constexpr, SCALED: gl.constexpr, A_PARTS: gl.constexpr,
-              ACC_SCALE: gl.constexpr):
+              ACC_SCALE: gl.constexpr, MX_Z: gl.constexpr):
     # fp8_block: cooperative tiles (A_PARTS = 2) and the scaled mainloop (PROMOTE is not read there);
     # bf16: ping-pong or cooperative tiles, one unpromoted chain a tile (PROMOTE = 0), times the
     # accumulator factor (ACC_SCALE) before the epilogue.
     _tile_loop(_fc1_epilogue, _fc1_capacity,
                (h_desc, z_desc, h_tiles, z_tiles, h_ptr, z_ptr, bias_ptr, probs_ptr, M, N, N1, p0, p1, p2, BM, BN,
-                G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS),
+                G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS, MX_Z),
                a_ring, b_ring, ready, empty, turn, splits_ptr, E, M, N, K, WG, BM, BN, BK, STAGES, GROUP_M, E_BLOCK,
                True, SCALED, A_PARTS, SCALED,
                (a_scale_ptr, stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk),
@@ -251,9 +255,11 @@ def fc1_kernel(
     SCALED: gl.constexpr,  # fp8_block's codes and scales
     A_PARTS: gl.constexpr,  # 2: cooperative 2·BM-row tiles (fp8_block, or bf16); 1: ping-pong BM-row tiles (bf16)
     ACC_SCALE: gl.constexpr,  # bf16: h's fp32 accumulator times *acc_scale_ptr before the bias and the GLU
+    MX_Z: gl.constexpr = False,  # bf16 z: mxfp8's values of the fp32 z (1×32 blocks along F), FC2's operand
 ):
     gl.static_assert((A_PARTS == 2) | (not SCALED), "fp8_block on cooperative tiles")
     gl.static_assert(not (ACC_SCALE and SCALED), "an accumulator factor on bf16 values only")
+    gl.static_assert(not MX_Z or (STORE_Z and not SCALED), "mxfp8's z values from a bf16 FC1 that stores z")
     gl.static_assert(h_desc.block_type.shape[1] == BN // 2, "h's and z's blocks: a tile's output columns")
     a_ring, b_ring, ready, empty, turn = _ring(a_desc, b_desc, BM, BN, BK, STAGES, True, A_PARTS)
     # Each consumer's shared tiles: h's gate and up halves (fp8_block: 2·WG, 2·WG + 1; bf16: one tile, WG,
@@ -272,11 +278,11 @@ def fc1_kernel(
         (_consumer, (a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, acc_scale_ptr, a_scale_ptr,
                      stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K,
                      N1, p0, p1, p2, a_ring, b_ring, h_tiles, z_tiles, ready, empty, turn, 0, BM, BN, BK, STAGES,
-                     GROUP_M, E_BLOCK, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS, ACC_SCALE)),
+                     GROUP_M, E_BLOCK, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS, ACC_SCALE, MX_Z)),
         (_consumer, (a_desc, b_desc, h_desc, z_desc, h_ptr, z_ptr, bias_ptr, probs_ptr, acc_scale_ptr, a_scale_ptr,
                      stride_asm, stride_ask, b_scale_ptr, stride_bse, stride_bsn, stride_bsk, splits_ptr, E, M, N, K,
                      N1, p0, p1, p2, a_ring, b_ring, h_tiles, z_tiles, ready, empty, turn, 1, BM, BN, BK, STAGES,
-                     GROUP_M, E_BLOCK, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS, ACC_SCALE)),
+                     GROUP_M, E_BLOCK, G, ACT, HAS_BIAS, HAS_PROBS, STORE_Z, SCALED, A_PARTS, ACC_SCALE, MX_Z)),
         (_producer, (a_desc, b_desc, splits_ptr, E, M, N, K, a_ring, b_ring, ready, empty, BM, BN, BK, STAGES,
                      GROUP_M, E_BLOCK, True, A_PARTS, 2, G, N1)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -714,6 +714,7 @@ def fc1(
     w1_scale: torch.Tensor | None = None,  # fp8_block: (E, ⌈N1/128⌉, ⌈H/128⌉) fp32 tile scales, any strides
     cooperative: bool | None = None,
     acc_scale: torch.Tensor | None = None,  # bf16: 0-d fp32, the accumulator's factor (nvfp4's 1/S_enc product)
+    z_mx: bool = False,  # bf16 z holds mxfp8's values of the fp32 z (1×32 blocks along F): FC2's operand
 ) -> None:
     """FC1 on the engine: h = x[R_e] @ W1[e]ᵀ (+ b1) in fp32, rounded once to bf16, and z =
     act(gate, up)·p from the fp32 h; capacity rows get zeros. bf16 operands one unpromoted chain a
@@ -722,7 +723,9 @@ def fc1(
     bits either way; None: ``fc1_cooperative``. fp8_block's codes (the scales given) on
     cooperative tiles, each 128-deep product scaled into h. ``acc_scale`` (bf16 only): h's fp32
     accumulator times it, once, before the bias, the GLU and the probs (the Triton kernel's
-    ACC_SCALE). The caller checked ``fc1_supports``; the scales' shapes, ``acc_scale`` and
+    ACC_SCALE). ``z_mx`` (mxfp8): z written as its mxfp8 values (code · 2^(e − 127), 1×32 blocks along
+    F, from the fp32 z; ``quant.dequantized(z, mxfp8)``'s bits), FC2's operand with no fp32 z and no
+    pass over it. The caller checked ``fc1_supports``; the scales' shapes, ``acc_scale``, ``z_mx`` and
     ``cooperative`` are checked here."""
     from ._compat import TensorDescriptor
     from ._engine import MAXNREG, NUM_WARPS
@@ -734,6 +737,8 @@ def fc1(
     if acc_scale is not None and scaled:
         raise ValueError("fc1: acc_scale multiplies a bf16 accumulator; fp8_block's codes take x_scale and w1_scale")
     _check_acc_scale("fc1", acc_scale, x.device)
+    if z_mx and (scaled or acc_scale is not None or z is None or z.dtype != torch.bfloat16):
+        raise ValueError("fc1: z_mx writes mxfp8's values of z into a bf16 z, from bf16 operands with no factor")
     M, H = x.shape
     E, N1, _ = w1.shape
     F = N1 // 2
@@ -786,7 +791,8 @@ def fc1(
             float(params[0]), float(params[1]), float(params[2]),
             BM=bm, BN=bn, BK=bk, STAGES=stages, GROUP_M=GROUP_M, E_BLOCK=e_block, G=glu_interleave,
             ACT=activation_id, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, STORE_Z=z is not None,
-            SCALED=scaled, A_PARTS=a_parts, ACC_SCALE=acc_scale is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+            SCALED=scaled, A_PARTS=a_parts, ACC_SCALE=acc_scale is not None, MX_Z=z_mx, num_warps=NUM_WARPS,
+            maxnreg=MAXNREG,
         )  # fmt: skip
 
 
