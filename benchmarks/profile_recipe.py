@@ -5,8 +5,9 @@ ANCHORS.md shape: where the time between the bf16 path and a recipe goes, launch
 
 Prints, per recipe, each kernel's GPU time per step (ms, summed over its launches) and launch
 count, largest first, and the step total; warm-up steps run first, then ``--steps`` profiled ones.
-``fp8_block_wcache``: fp8_block with the weights quantized once before the steps (``quantize_weights``),
-what a later micro-batch of an optimizer step runs. ``--trace`` also prints the launches of one step in order (≥ 0.05 ms), which tells the GEMMs of one
+``RECIPE_wcache`` (e.g. ``fp8_block_wcache``, ``nvfp4_wcache``): the recipe with the weights quantized
+once before the steps (``quantize_weights``), what a later micro-batch of an optimizer step runs.
+``--trace`` also prints the launches of one step in order (≥ 0.05 ms), which tells the GEMMs of one
 kernel apart (FC1, FC2, FC2_DGRAD, FC1_DGRAD of ``grouped_gemm_kernel``).
 """
 
@@ -57,8 +58,8 @@ def main():
     p.add_argument("--trace", action="store_true", help="also every launch of one step, in order")
     args = p.parse_args()
     for name in args.recipes.split(","):
-        cached = name == "fp8_block_wcache"  # weights quantized once outside the step (quantize_weights)
-        recipe = None if name == "bf16" else "fp8_block" if cached else name
+        cached = name.endswith("_wcache")  # weights quantized once outside the step (quantize_weights)
+        recipe = None if name == "bf16" else name.removesuffix("_wcache")
         rows = profile(args.shape, recipe, args.steps, args.trace, cached)
         total = sum(r[1] for r in rows)
         print(f"\n== {args.shape} {name}: {total:.2f} ms of kernels per fwd+bwd step", flush=True)
