@@ -15,8 +15,6 @@ from ..quant.formats import (
 )
 from ._compat import gl, gluon
 
-MX_BLOCK = 32
-
 
 @gluon.jit
 def mxfp8_values(v, BM: gl.constexpr, W: gl.constexpr):
