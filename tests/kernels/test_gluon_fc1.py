@@ -341,6 +341,26 @@ def test_gpu_z_mx_is_the_rowwise_pass_of_the_fp32_z(splits_list, M, H, F, G, act
                           z_mx=True)  # fmt: skip
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_scale", [2.0**-59, 2.0**64], ids=["tiny", "overflowing"])
+@pytest.mark.parametrize("case", [MX_Z_CASES[1].values, MX_Z_CASES[2].values], ids=["ping-pong", "cooperative"])
+def test_gpu_z_mx_at_tiny_and_overflowing_blocks(case, x_scale):
+    """``z_mx``'s e8m0 arithmetic at its ends, against the rowwise pass as bits. x·2^-59 makes z
+    about 2^-118·p: blocks whose s = amax/448 is subnormal, on both sides of 2^-127 (e = 0 and
+    e = 1). x·2^64 makes z about 2^128: blocks with an inf amax (e = 254, 2^-127) beside finite ones.
+    Either way one NaN sits in each row's first block, which the block amax must ignore. The Triton
+    kernel's fp32 z must reach those ends, or the case proves nothing."""
+    z32 = _check_against_triton(*case, z_mx=True, x_scale=x_scale)
+    routed = z32[: min(sum(case[0]), case[1])]
+    blocks = routed.reshape(routed.shape[0], -1, 32).abs().nan_to_num(0.0).amax(-1)
+    s_bits = (blocks * (1.0 / 448)).view(torch.int32)
+    if x_scale < 1:
+        assert ((s_bits > 0) & (s_bits <= 0x400000)).any() and ((s_bits > 0x400000) & (s_bits < 0x800000)).any()
+    else:
+        assert torch.isinf(blocks).any() and torch.isfinite(blocks).any()
+    assert torch.isnan(routed[:, 5]).all() and not torch.isnan(routed[:, 6:32]).any()
+
+
 @needs_gluon
 @pytest.mark.parametrize("coop", [False, True], ids=["ping-pong", "cooperative"])
 def test_offline_sm90_compile_z_mx(coop):
@@ -396,7 +416,12 @@ def test_cooperative_by_default_on_large_experts():
 
 
 def _check_against_triton(splits_list, M, H, F, G, activation, params, bias, probs_dtype, z_dtype, fp8, cooperative,
-                          acc_scale=False, z_mx=False):  # fmt: skip
+                          acc_scale=False, z_mx=False, x_scale=1.0):  # fmt: skip
+    """h and z against the Triton kernel's, bit for bit; returns the Triton kernel's fp32 z under
+    ``z_mx`` (before the rowwise pass). ``x_scale`` (a power of two, not 1) scales x, to reach tiny or
+    overflowing z, and makes W1's gate row 5 NaN, so that each row's first 1×32 block of z holds one
+    NaN among finite values; the outputs then start as a NaN that no arithmetic makes and are compared
+    as bits, so a NaN the kernels compute alike compares equal and one left unwritten does not."""
     from moemlp._config import MLPConfig
     from moemlp.kernels import operands
     from moemlp.kernels.gemm import launch
@@ -410,8 +435,10 @@ def _check_against_triton(splits_list, M, H, F, G, activation, params, bias, pro
     E, G = len(splits_list), G or F
     spec = ACTIVATIONS[activation]
     r = recipe("fp8_block") if fp8 else None
-    x = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(M, H, device=dev, dtype=torch.bfloat16) * x_scale
     w1 = (torch.randn(E, 2 * F, H, device=dev) * H**-0.5).to(torch.bfloat16)
+    if x_scale != 1.0:
+        w1[:, 5] = float("nan")  # gate column 5 of h (G = F here: gates are W1's first F rows)
     b1 = torch.randn(E, 2 * F, device=dev, dtype=torch.bfloat16) if bias else None
     probs = torch.rand(M, device=dev).to(probs_dtype)
     splits = torch.tensor(splits_list, device=dev, dtype=torch.int32)
@@ -419,6 +446,11 @@ def _check_against_triton(splits_list, M, H, F, G, activation, params, bias, pro
     pp = tuple(params) + (0.0,) * (3 - len(params))
     h = torch.full((M, 2 * F), float("nan"), device=dev, dtype=torch.bfloat16)
     z = None if z_dtype is None else torch.full((M, F), float("nan"), device=dev, dtype=z_dtype)
+    if x_scale != 1.0:  # bf16 0x7FBB: a NaN payload that no conversion produces
+        h.view(torch.int16).fill_(0x7FBB)
+        if z is not None:
+            assert z_dtype == torch.bfloat16
+            z.view(torch.int16).fill_(0x7FBB)
     assert fc1_supports(a_op.a, b_op.b, h, z, spec.kernel_id, True, G) == ""
     scales = dict(x_scale=a_op.scales, w1_scale=operands._tile_scales(b_op, 2 * F, H)) if fp8 else {}
     # nvfp4's factors: a product of two, neither a power of two, on the device
@@ -437,16 +469,26 @@ def _check_against_triton(splits_list, M, H, F, G, activation, params, bias, pro
         cfg=MLPConfig(spec, tuple(params), G, False), probs=probs, bias=b1, z=z_t, a_scales=a_op.scales,
         b_scales=b_op.scales, b_scale_strides=b_op.scale_strides, acc_factors=(f,),
     )  # fmt: skip
+    z32 = z_t
     if z_mx:
         from moemlp.kernels.quant import api as kq
 
         z_t = kq.dequantized(z_t, recipe("mxfp8"), -1, out_dtype=torch.bfloat16, tiny_blocks_exact=False)[0]
     torch.cuda.synchronize()
     routed = min(sum(splits_list), M)
-    assert not torch.isnan(h).any(), "h left unwritten"
-    assert torch.equal(h, h_t), f"{int((h != h_t).sum())} of {h.numel()} h elements differ from the Triton kernel's"
+    if x_scale != 1.0:
+        pairs = [("h", h, h_t)] + ([] if z is None else [("z", z, z_t)])
+        for name, got, want in pairs:
+            differ = int((got.view(torch.int16) != want.view(torch.int16)).sum())
+            assert differ == 0, f"{differ} of {got.numel()} {name} elements' bits differ from the Triton kernel's"
+    else:
+        assert not torch.isnan(h).any(), "h left unwritten"
+        assert torch.equal(h, h_t), f"{int((h != h_t).sum())} of {h.numel()} h elements differ from the Triton kernel's"
+        if z is not None:
+            assert not torch.isnan(z).any(), "z left unwritten"
+            differ = int((z != z_t).sum())
+            assert torch.equal(z, z_t), f"{differ} of {z.numel()} z elements differ from the Triton kernel's"
     assert (h[routed:] == 0).all(), "capacity rows of h"
     if z is not None:
-        assert not torch.isnan(z).any(), "z left unwritten"
-        assert torch.equal(z, z_t), f"{int((z != z_t).sum())} of {z.numel()} z elements differ from the Triton kernel's"
         assert (z[routed:] == 0).all(), "capacity rows of z"
+    return z32
