@@ -3,10 +3,13 @@
 default tile's before it is timed.
 
     PYTHONPATH=src python3 benchmarks/bench_wgrad_quantizer.py [--shapes mixtral-8x7b,deepseek-v3-ep8]
+        [--recipes fp8_block,mxfp8,nvfp4] [--gemm]
 
 What runs per step of the fp8_block / mxfp8 backward: fp8_block quantizes x, dy (bf16) and z, g_h
 (fp32) with ``quantize_wgrad(..., transposed=True)`` (codes_t and scales for the fp8 wgrad GEMM);
-mxfp8 writes their dequantized values (``dequantized_wgrad``). Rows: operand, recipe, tile
+mxfp8 writes their dequantized values (``dequantized_wgrad``), and so does nvfp4 (16-row blocks: an
+amax pass, then the values; the recipe named ``nvfp4:...`` with its options, stochastic rounding on
+the gradients dy and g_h only). Rows: operand, recipe, tile
 (columns per program, warps), the library call with the row blocks computed once (``blocks=``; their
 torch ops timed once apart) in ms (do_bench median), GB/s (bytes read + written), and whether the
 bits equal the default tile's (storing the codes in rows as well, the former launch, cost 5-10 %:
@@ -22,29 +25,34 @@ may differ between tile shapes).
 from __future__ import annotations
 
 import argparse
+import re
 from collections import defaultdict
 
 import torch
 
 from moemlp.bench.kernels import SHAPES, bench
 from moemlp.kernels.quant import api as kq
-from moemlp.recipes import recipe
+from moemlp.recipes import from_key, recipe
 
 TILES = {128: [(128, 8), (64, 8), (64, 4), (32, 4), (128, 16), (256, 16), (32, 8)],
-         32: [(128, 4), (64, 4), (256, 4), (128, 8), (256, 8), (64, 2)]}  # fmt: skip
+         32: [(128, 4), (64, 4), (256, 4), (128, 8), (256, 8), (64, 2)],
+         16: [(128, 8), (128, 2), (64, 1), (128, 1), (256, 4), (256, 2), (64, 2), (128, 4)]}  # fmt: skip
 
 
-def launch(t, splits, r, tile, blocks):
+def launch(t, splits, r, tile, blocks, is_grad=False):
     """The library's own call with ``tile`` set (``kq.WGRAD_TILE``) and the row blocks computed once
     (``blocks=``, as a backward passes them), so the timing is the kernel's. Returns the outputs
-    to compare: fp8_block's codes_t and scales, mxfp8's dequantized values."""
+    to compare: fp8_block's codes_t and scales, mxfp8's dequantized values, nvfp4's values and
+    factor."""
     default = kq.WGRAD_TILE[r.block]
     kq.WGRAD_TILE[r.block] = tile
     try:
         if r.name == "fp8_block":
             q = kq.quantize_wgrad(t, splits, r, transposed=True, blocks=blocks)
             return q.codes_t, q.scales
-        return (kq.dequantized_wgrad(t, splits, r, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=blocks)[0],)
+        values, factor = kq.dequantized_wgrad(t, splits, r, is_grad, out_dtype=torch.bfloat16, tiny_blocks_exact=False,
+                                              blocks=blocks)  # fmt: skip
+        return (values,) if factor is None else (values, factor)
     finally:
         kq.WGRAD_TILE[r.block] = default
 
@@ -96,8 +104,11 @@ def sweep_gemm(shape):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="mixtral-8x7b,deepseek-v3-ep8")
+    p.add_argument("--recipes", default="fp8_block,mxfp8",
+                   help="comma-separated: fp8_block, mxfp8, nvfp4[:hadamard=1,stochastic_rounding=1]")
     p.add_argument("--gemm", action="store_true")
     args = p.parse_args()
+    keys = re.split(r",(?![a-z_]+=)", args.recipes)  # a recipe's own options are comma-separated too
     totals = defaultdict(float)
     bad = set()
     print(f"{'shape':16s} {'operand':10s} {'recipe':9s} {'tile':10s} {'ms':>8s} {'GB/s':>7s}  bits")
@@ -109,33 +120,39 @@ def main():
         ops = {"x bf16": torch.randn(M, H, device="cuda", generator=g).bfloat16(),
                "z fp32": torch.randn(M, F, device="cuda", generator=g),
                "g_h fp32": torch.randn(M, 2 * F, device="cuda", generator=g) * 1e-3}  # fmt: skip
-        # dy is x's shape and dtype: its time is x's; counted twice in the sums
-        for key in ("fp8_block", "mxfp8"):
-            r = recipe(key)
+        # dy is x's shape and dtype: its time is x's, counted twice in the sums, except under a
+        # stochastic rounding of the gradients, where dy is timed as the gradient it is
+        for key in keys:
+            r = from_key(key)
+            grads = {"g_h fp32"}
+            if getattr(r, "stochastic_rounding", False):
+                ops["dy bf16"] = torch.randn(M, H, device="cuda", generator=g).bfloat16()
+                grads.add("dy bf16")
             blocks = kq.row_blocks(splits, M, r.block)
             ms_rb = bench(lambda: kq.row_blocks(splits, M, r.block))
             print(f"{shape:16s} {'(row blocks)':10s} {key:9s} {'torch':10s} {ms_rb:8.3f}")
             for name, t in ops.items():
-                ref = launch(t, splits, r, kq.WGRAD_TILE[r.block], blocks)
+                is_grad = name in grads
+                ref = launch(t, splits, r, kq.WGRAD_TILE[r.block], blocks, is_grad)
                 for tile in TILES[r.block]:
                     label = f"{tile[0]}x{tile[1]}"
                     try:
-                        outs = launch(t, splits, r, tile, blocks)
+                        outs = launch(t, splits, r, tile, blocks, is_grad)
                         same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(outs, ref))
-                        ms = bench(lambda: launch(t, splits, r, tile, blocks))
+                        ms = bench(lambda: launch(t, splits, r, tile, blocks, is_grad))
                     except Exception as exc:  # a tile that does not compile or launch: say so, go on
                         print(f"{shape:16s} {name:10s} {key:9s} {label:10s} failed: {type(exc).__name__}: {str(exc)[:80]}")
                         bad.add((shape, key, label))
                         continue
-                    moved = t.numel() * (t.element_size() + (1 if key == "fp8_block" else 2))
+                    moved = t.numel() * (t.element_size() * (2 if r.name == "nvfp4" else 1) + (1 if key == "fp8_block" else 2))
                     print(f"{shape:16s} {name:10s} {key:9s} {label:10s} {ms:8.3f} {moved / ms / 1e6:7.0f}  "
                           f"{'same' if same else 'DIFFER'}", flush=True)  # fmt: skip
                     if not same:
                         bad.add((shape, key, label))
-                    totals[(shape, key, label)] += ms * (2 if name == "x bf16" else 1)
+                    totals[(shape, key, label)] += ms * (2 if name == "x bf16" and "dy bf16" not in ops else 1)
     print("\nsummed kernel ms of x, dy, z, g_h per shape and recipe (tiles that failed or differed left out), best first")
     for shape in args.shapes.split(","):
-        for key in ("fp8_block", "mxfp8"):
+        for key in keys:
             rows = sorted((ms, label) for (s, k, label), ms in totals.items() if s == shape and k == key
                           and (s, k, label) not in bad)  # fmt: skip
             print(f"{shape} {key}: " + ", ".join(f"{label} {ms:.3f}" for ms, label in rows))

@@ -270,8 +270,10 @@ def e2m1_code_stochastic(y, u):
         + (a >= 6.0).to(tl.int32)
     )
     lo = tl.where(lo_idx <= 4, lo_idx.to(tl.float32) * 0.5, tl.where(lo_idx == 5, 3.0, tl.where(lo_idx == 6, 4.0, 6.0)))
-    step = tl.where(lo_idx < 4, 0.5, tl.where(lo_idx < 6, 1.0, tl.where(lo_idx == 6, 2.0, 0.0)))
-    p = tl.where(step > 0, tl.div_rn(a - lo, tl.where(step > 0, step, 1.0)), 0.0)
+    # p = (a − lo) / step by the step's reciprocal: a − lo is exact (lo ≤ a ≤ 2·lo, or lo = 0) and the
+    # step a power of two, so the product is the quotient; past 6 (lo_idx 7) a − lo = 0, so p = 0
+    # with any factor, as the reference's p for step 0
+    p = (a - lo) * tl.where(lo_idx < 4, 2.0, tl.where(lo_idx < 6, 1.0, 0.5))
     idx = lo_idx + (u < p).to(tl.int32)
     sign = ((y.to(tl.int32, bitcast=True) >> 28) & 8) * (y == y).to(tl.int32)
     return tl.where(y != y, 7, idx | sign)
