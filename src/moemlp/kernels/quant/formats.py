@@ -256,6 +256,22 @@ def e2m1_value(code):
 
 
 @triton.jit
+def e2m1_value_rn(y):
+    """``e2m1_value(e2m1_code(y))`` without the code, for the passes that write values: |y| rounded to
+    nearest even with one mantissa bit (on the bits: a carry into bit 22, then the low 22 cleared) at
+    |y| >= 1, to a multiple of 0.5 below (adding and taking off 1.5·2^22, where fp32's ulp is 0.5), then
+    saturated to 6 and given y's sign; NaN -> +6, code 7's value. Equal bits to the code's round trip
+    at every third fp32 pattern and at the ties (checked in torch, docs/DECISIONS.md)."""
+    a = tl.abs(y)
+    b = a.to(tl.int32, bitcast=True)
+    hi = ((b + 0x1FFFFF + ((b >> 22) & 1)) & -0x400000).to(tl.float32, bitcast=True)
+    lo = (a + 6291456.0) - 6291456.0
+    mag = tl.minimum(tl.where(a < 1.0, lo, hi), 6.0)
+    sign = y.to(tl.int32, bitcast=True) & -0x80000000
+    return tl.where(y != y, 6.0, (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def e2m1_code_stochastic(y, u):
     """e2m1 code of y rounded up with probability (|y| − lo)/(hi − lo), decided by u < p for the
     uniform u in [0, 1); the torch reference is recipes._formats.e2m1_round_stochastic."""

@@ -17,6 +17,7 @@ from .formats import (
     e2m1_code,
     e2m1_code_stochastic,
     e2m1_value,
+    e2m1_value_rn,
     e4m3_code,
     e4m3_signed_value,
     e4m3_value,
@@ -105,8 +106,8 @@ def _quantize_kernel(
             s = block_scale_values(s_code, RECIPE)
             out_ty = codes_ptr.dtype.element_ty
             v_ptr = codes_ptr + batch * M * K + off
-            tl.store(v_ptr, (e2m1_value(c0) * s).to(out_ty), mask=m0)
-            tl.store(v_ptr + r_step * K + k_step, (e2m1_value(c1) * s).to(out_ty), mask=m1)
+            tl.store(v_ptr, (e2m1_value_rn(x0 * inv) * s).to(out_ty), mask=m0)
+            tl.store(v_ptr + r_step * K + k_step, (e2m1_value_rn(x1 * inv) * s).to(out_ty), mask=m1)
             s_dec = tl.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)  # the reference's 1/S_enc
             tl.store(scales_ptr, s_dec, mask=(pid_m == 0) & (pid_k == 0) & (batch == 0))
         else:
@@ -126,13 +127,14 @@ def _quantize_kernel(
         block_amax = _per_block_max(abs_or_zero(x), BM, NB, BK // NB)
         has_nan = _per_block_max((x != x).to(tl.int32), BM, NB, BK // NB)
         s_code, inv = nvfp4_block_scale(block_amax, s_enc)  # (BM, NB)
-        c = e2m1_code(x * _per_block_spread(inv, BM, NB, BK // NB))
+        y = x * _per_block_spread(inv, BM, NB, BK // NB)
+        c = e2m1_code(y)
         s_code = tl.where(has_nan > 0, 0x7F, s_code)
         if DEQUANT:
             # code·s is exact (≤ 6 significant bits, 2^-10 … 2688); the NaN mark (s_code 0x7F, set
             # above for a block with a NaN) makes its block NaN
             s = block_scale_values(s_code, RECIPE)
-            values = e2m1_value(c) * _per_block_spread(s, BM, NB, BK // NB)
+            values = e2m1_value_rn(y) * _per_block_spread(s, BM, NB, BK // NB)
             tl.store(codes_ptr + batch * M * K + off, values.to(codes_ptr.dtype.element_ty), mask=mask)
             s_dec = tl.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)  # the reference's 1/S_enc
             tl.store(scales_ptr, s_dec, mask=(pid_m == 0) & (pid_k == 0) & (batch == 0))
@@ -419,7 +421,8 @@ def _wgrad_kernel(
         s_code = tl.where(has_nan > 0, 0x7F, s_code)
         if DEQUANT:
             s = tl.where(has_nan > 0, float("nan"), e4m3_value(s_code))
-            tl.store(codes_ptr + src, (e2m1_value(codes) * s).to(codes_ptr.dtype.element_ty), mask=out_mask)
+            v = e2m1_value(codes) if STOCHASTIC else e2m1_value_rn(x * inv)  # the same value, no code
+            tl.store(codes_ptr + src, (v * s).to(codes_ptr.dtype.element_ty), mask=out_mask)
             s_dec = tl.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)  # the reference's 1/S_enc
             tl.store(scales_ptr, s_dec, mask=(pid_b == 0) & (pid_k == 0))
         else:
