@@ -138,7 +138,7 @@ def main():
                     label = f"{tile[0]}x{tile[1]}"
                     try:
                         outs = launch(t, splits, r, tile, blocks, is_grad)
-                        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(outs, ref))
+                        same = all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) for a, b in zip(outs, ref))
                         ms = bench(lambda: launch(t, splits, r, tile, blocks, is_grad))
                     except Exception as exc:  # a tile that does not compile or launch: say so, go on
                         print(f"{shape:16s} {name:10s} {key:9s} {label:10s} failed: {type(exc).__name__}: {str(exc)[:80]}")
