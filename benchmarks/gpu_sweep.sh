@@ -2,7 +2,7 @@
 # One device call: the GPU suite, then the benches, one at a time. Logs and CSV under $OUT; short
 # tables last.
 # Usage (device): bash benchmarks/gpu_sweep.sh [PART,PART...]   PART: suite gluon partsfp8 precision bench
-#   partsbf16 recipes profile wgradq parts shapes shapes256, run in that order; default
+#   partsbf16 recipes profile wgradq wgradq4 parts shapes shapes256, run in that order; default
 #   suite,partsfp8,recipes. A part whose time limit would pass DEADLINE seconds from the start
 #   (default 590: the device's 600 s per call) is skipped.
 # suite: every test, as the README runs them (-n 8; 4 to over 7 minutes on a cold host, most of it
@@ -66,6 +66,11 @@ fi
 if has wgradq && fits wgradq 120; then  # the wgrad operand quantizer's tiles and the fp8 wgrad GEMM's configs
   timeout $(( DEADLINE - SECONDS )) python3 benchmarks/bench_wgrad_quantizer.py --gemm > "$OUT/wgrad_quantizer.log" 2>&1
   grep -v Warn "$OUT/wgrad_quantizer.log" | grep -A40 '^summed'
+fi
+if has wgradq4 && fits wgradq4 120; then  # nvfp4's wgrad operand quantizer tiles, plain and with its options
+  timeout $(( DEADLINE - SECONDS )) python3 benchmarks/bench_wgrad_quantizer.py --shapes qwen3-30b-a3b,mixtral-8x7b \
+    --recipes "nvfp4,nvfp4:hadamard=1,stochastic_rounding=1" > "$OUT/wgrad_quantizer_nvfp4.log" 2>&1
+  grep -v Warn "$OUT/wgrad_quantizer_nvfp4.log" | grep -A6 '^summed'
 fi
 if has parts && fits parts 60; then
   timeout $(( DEADLINE - SECONDS )) python3 benchmarks/bench_recipe_parts.py --out "$OUT" > "$OUT/parts.log" 2>&1
