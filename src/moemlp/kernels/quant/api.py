@@ -111,8 +111,8 @@ ROW_TILE = (32, 128, 4)
 # mxfp8's 32-row blocks 64 columns at 2 warps, 1.44 -> 1.34 / 1.08 -> 1.00 ms.
 # nvfp4's 16-row blocks 64 columns at 1 warp: a block's scale (two IEEE divisions, the e4m3 code) is
 # computed by every thread that holds one of its rows, 16 of them at 128 × 8 (once an element), 4 at
-# 64 × 1; qwen3-30b-a3b's four operands on an H100, 2.405 -> 0.726 ms (plain; 2.828 -> 1.198 with
-# Hadamard and stochastic rounding), bits equal; 128 × 2 within 2-6 %. Settable for that bench.
+# 64 × 1, which cuts the values pass's instructions by half and its time by about 3× (docs/DECISIONS.md,
+# "nvfp4's wgrad operand quantizer"); the bits do not depend on the tile. Settable for that bench.
 WGRAD_TILE = {128: (32, 4), 32: (64, 2), 16: (64, 1)}
 COL_TILE = (64, 4)
 
