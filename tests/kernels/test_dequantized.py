@@ -182,45 +182,72 @@ def test_dequantized_wgrad_matches_qdq_wgrad(device, dtype, key, nan_empty):
 BOTH_CASES = WGRAD_CASES + [([40, 0, 7, 50], 5, 70), ([3, 29], 2, 100)]
 
 
+# mxfp8 (one values pass), and nvfp4 without the Hadamard option (one amax pass for both tensor
+# amaxes, one values pass), also with stochastic rounding on the wgrad operand (is_grad)
+BOTH_RECIPES = ["mxfp8", "nvfp4", "nvfp4:stochastic_rounding=1"]
+# Under the interpreter each nvfp4 variant took 13-19 s a source dtype (two passes of two
+# quantizations each, twice, for is_grad True and False); there each runs from one, the GPU all three.
+INTERPRETED_BOTH_DTYPE = {"nvfp4": torch.float32, "nvfp4:stochastic_rounding=1": torch.bfloat16}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dequantized_both_is_the_two_passes(device, dtype, nan_empty):
-    """mxfp8's one-read pass: ``rows`` is qdq(t, -1) and ``wgrad`` the act operand of qdq_wgrad, bit
-    for bit, rows past Σsplits included (there ``rows`` quantizes t's rows, ``wgrad`` is +0); and
-    both equal the two kernels' values in the MLP's form, an fp32 source onto bf16
-    (tiny_blocks_exact=False)."""
+@pytest.mark.parametrize("key", BOTH_RECIPES)
+def test_dequantized_both_is_the_two_passes(device, dtype, key, nan_empty):
+    """The one-read passes: ``rows`` is qdq(t, -1) and ``wgrad`` the operand of qdq_wgrad (the
+    gradient's where is_grad), bit for bit, rows past Σsplits included (there ``rows`` quantizes t's
+    rows, ``wgrad`` is +0; nvfp4: ``rows`` with the S_enc of all of t, ``wgrad`` with its routed
+    rows'); and both equal the separate passes' values and factors in the MLP's form, an fp32
+    source onto bf16 (tiny_blocks_exact=False)."""
     from moemlp.kernels.quant import api as kq
 
-    r = recipe("mxfp8")
+    if device == "cpu" and dtype != INTERPRETED_BOTH_DTYPE.get(key, dtype):
+        pytest.skip("under the interpreter each nvfp4 variant's one-read passes run from one source dtype")
+    r = from_key(key)
+    nvfp4 = r.name == "nvfp4"
     cases = BOTH_CASES + ([([1000, 0, 37, 2048, 500], 64, 512)] if device == "cuda" else [])
     special = _special(dtype, device)  # NaN, ±Inf, tiny and huge rows: 6 rows, two experts
     for seed, (splits, capacity, K) in enumerate(cases + [([4, 1], 1, 64)]):
         T = sum(splits) + capacity
         t = special if K == 64 else (_data((T, K), dtype, 60 + seed) if T else torch.zeros(0, K, dtype=dtype))
+        if nvfp4 and K != 64:
+            # finite (an Inf amax gives S_enc 1), and a row past Σsplits holds t's amax, 3× the routed
+            # rows': the rows' S_enc and the wgrad operand's differ by other than a power of two
+            t = torch.where(t.isinf(), torch.zeros_like(t), t)
+            if capacity and sum(splits):
+                t[sum(splits), 0] = 3 * t[: sum(splits)].float().nan_to_num(0.0).abs().max()
         s = torch.tensor(splits, dtype=torch.int32)
-        what = f"{dtype} splits {splits}+{capacity} K {K}"
-        out_dtype = kq.exact_dtype(r, dtype)
-        rows, wg = kq.dequantized_both(t.to(device), s.to(device), r, out_dtype=out_dtype)
-        _bitwise(_contract(rows, None, out_dtype, device), r.qdq(t, -1), what + " rows")
-        _bitwise(_contract(wg, None, out_dtype, device), r.qdq_wgrad(t, t, s)[1], what + " wgrad")
-        assert not wg[sum(splits) :].cpu().view(torch.int16 if out_dtype != torch.float32 else torch.int32).any()
-        # the MLP's call: bf16 values whatever the source, as the two kernels give them
-        rows, wg = kq.dequantized_both(t.to(device), s.to(device), r, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
-        one, _ = kq.dequantized(t.to(device), r, -1, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
-        two, _ = kq.dequantized_wgrad(t.to(device), s.to(device), r, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
-        for got, want, name in ((rows, one, "rows"), (wg, two, "wgrad")):
-            assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16)), (
-                f"{what} {name}: bf16 bits differ from the separate pass's"
-            )
+        for is_grad in (True, False) if nvfp4 else (False,):
+            what = f"{key} {dtype} splits {splits}+{capacity} K {K} {'grad' if is_grad else 'act'}"
+            out_dtype = kq.exact_dtype(r, dtype)
+            rows, rows_f, wg, wg_f = kq.dequantized_both(t.to(device), s.to(device), r, is_grad, out_dtype=out_dtype)
+            assert (rows_f is None) == (wg_f is None) == (not nvfp4), what
+            ref_g, ref_a = r.qdq_wgrad(t, t, s)
+            _bitwise(_contract(rows, rows_f, out_dtype, device), r.qdq(t, -1), what + " rows")
+            _bitwise(_contract(wg, wg_f, out_dtype, device), ref_g if is_grad else ref_a, what + " wgrad")
+            assert not wg[sum(splits) :].cpu().view(torch.int16 if out_dtype != torch.float32 else torch.int32).any()
+            # the MLP's call: bf16 values whatever the source, as the separate kernels give them
+            got = kq.dequantized_both(t.to(device), s.to(device), r, is_grad, out_dtype=torch.bfloat16,
+                                      tiny_blocks_exact=False)  # fmt: skip
+            one = kq.dequantized(t.to(device), r, -1, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
+            two = kq.dequantized_wgrad(t.to(device), s.to(device), r, is_grad, out_dtype=torch.bfloat16,
+                                       tiny_blocks_exact=False)  # fmt: skip
+            for (v, f), (want_v, want_f), name in ((got[:2], one, "rows"), (got[2:], two, "wgrad")):
+                assert v.dtype == torch.bfloat16 and torch.equal(v.view(torch.int16), want_v.view(torch.int16)), (
+                    f"{what} {name}: bf16 bits differ from the separate pass's"
+                )
+                assert (f is None and want_f is None) or torch.equal(f.view(torch.int32), want_f.view(torch.int32)), (
+                    f"{what} {name}: the factor differs from the separate pass's"
+                )
 
 
 def test_dequantized_both_refuses_other_recipes():
     from moemlp.kernels.quant import api as kq
 
     t, s = torch.zeros(4, 64, dtype=torch.bfloat16), torch.tensor([4])
-    for key in ("nvfp4", "fp8_block"):
-        with pytest.raises(ValueError, match="mxfp8 only"):
-            kq.dequantized_both(t, s, recipe(key))
+    for key in ("nvfp4:hadamard=1", "fp8_block"):
+        with pytest.raises(ValueError, match="mxfp8, or nvfp4 without the Hadamard option"):
+            kq.dequantized_both(t, s, from_key(key))
     with pytest.raises(ValueError, match=r"2\^-133"):
         kq.dequantized_both(t.float(), s, recipe("mxfp8"))
 

@@ -206,8 +206,8 @@ def test_cpu_backward_builds_the_wgrad_row_blocks_once(key, monkeypatch):
 
 
 def _one_read_against_two(t, cfg, needs, monkeypatch):
-    """grouped_mlp_bwd under mxfp8 with dy's and g_h's operands from one pass each (``operands.both``)
-    and with the two passes each: returns (both's calls, the dequantized_wgrad calls of each, the
+    """grouped_mlp_bwd under a one_read recipe with dy's and g_h's operands from one pass each
+    (``operands.both``) and with the separate passes: returns (both's calls, the dequantized_wgrad calls of each, the
     two backwards' gradients)."""
     from moemlp.kernels import operands
     from moemlp.kernels.quant import api as kq
@@ -246,12 +246,18 @@ def _assert_same_bits(one, two):
             assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ"
 
 
+# the one_read recipes: mxfp8, and nvfp4 without the Hadamard option (stochastic rounding on dy's and
+# g_h's wgrad operands is a hash of position and value: one pass and two draw alike)
+ONE_READ_RECIPES = ["mxfp8", "nvfp4:stochastic_rounding=1"]
+
+
 @interpreted
+@pytest.mark.parametrize("key", ONE_READ_RECIPES)
 @pytest.mark.parametrize("needs,n_both,n_wgrad", ONE_READ_NEEDS)
-def test_cpu_mxfp8_one_read_gives_the_two_passes_bits(needs, n_both, n_wgrad, monkeypatch):
+def test_cpu_one_read_gives_the_two_passes_bits(needs, n_both, n_wgrad, key, monkeypatch):
     # an empty expert, capacity rows, H = 56 and F = 24 ending in partial 32-blocks, biases
     t, cfg = make((5, 0, 9), 56, 24, M=18, scale_fc2_bias=True)
-    counts, two_counts, one, two = _one_read_against_two(t, with_recipe(cfg, "mxfp8"), needs, monkeypatch)
+    counts, two_counts, one, two = _one_read_against_two(t, with_recipe(cfg, key), needs, monkeypatch)
     assert counts == {"both": n_both, "wgrad": n_wgrad}, counts
     assert two_counts["both"] == 0
     _assert_same_bits(one, two)
@@ -417,15 +423,17 @@ def test_gpu_matches_torch_emulation(case, key):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("key", ONE_READ_RECIPES + ["nvfp4"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_gpu_mxfp8_one_read_gives_the_two_passes_bits(case, monkeypatch):
-    """At the GPU cases (the engine's and CUTLASS's weight gradients, which are deterministic): every
-    gradient of the step with one pass each for dy and g_h equals the two passes' bit for bit."""
+def test_gpu_one_read_gives_the_two_passes_bits(case, key, monkeypatch):
+    """At the GPU cases (the engine's, CUTLASS's and the Triton kernel's weight gradients, which are
+    deterministic): every gradient of the step with one pass each for dy and g_h (nvfp4: one amax
+    pass and one values pass) equals the separate passes' bit for bit."""
     from test_triton_backend import gpu_problem
 
     _, (E, H, F, rows, empty, cap, kw) = case
     t, cfg = gpu_problem(E, H, F, rows, empty, cap, **kw)
-    counts, _, one, two = _one_read_against_two(t, with_recipe(cfg, "mxfp8"), (True,) * 6, monkeypatch)
+    counts, _, one, two = _one_read_against_two(t, with_recipe(cfg, key), (True,) * 6, monkeypatch)
     assert counts == {"both": 2, "wgrad": 2}, counts
     _assert_same_bits(one, two)
 

@@ -6,8 +6,8 @@ Forward, two launches:   FC1 (x @ W1ᵀ, epilogue: bias, act, ·p → h, z)   FC
 Backward, up to six:     FC2_DGRAD (dy @ W2, epilogue: dprobs partials, g_h, round(z))
                          dprobs reduce    FC1_DGRAD (g_h @ W1 → dx)
                          wgrad dW1 (+ db1)    wgrad dW2 (+ db2)    [db alone when dW is not needed]
-                         (under mxfp8 dW2 right after FC2_DGRAD, dy's and g_h's operands from one
-                         pass each: operands.both)
+                         (under mxfp8 and nvfp4 without Hadamard dW2 right after FC2_DGRAD,
+                         dy's and g_h's two operands from one values pass each: operands.both)
 
 Inputs arrive validated (_validate.py): contiguous, on one device, splits of an integer dtype on
 that device. Nothing here reads a tensor's values on the host (no .item(), .tolist(), .cpu(),
@@ -191,8 +191,8 @@ def grouped_mlp_bwd(
         # dW2 (recomputed from h here rather than in the wgrad kernel's prologue).
         g_h = torch.empty((M, N1), dtype=inter, device=device)
         z = torch.empty((M, F), dtype=inter, device=device) if need_dw2 else None
-        # mxfp8: dy's two operands (along H for FC2_DGRAD, along the rows for dW2) from one read of
-        # dy, and dW2 right after FC2_DGRAD so its values are not held through FC1_DGRAD and dW1
+        # one_read recipes: dy's two operands (along H for FC2_DGRAD, along the rows for dW2) from one
+        # values pass, and dW2 right after FC2_DGRAD so its values are not held through FC1_DGRAD and dW1
         one_read = operands.one_read(r) and need_dw2
         dy_op, dy_values = operands.both(dy, splits, r, blocks) if one_read else (operands.act(dy, r), None)
         # FC2_DGRAD: g_z = dy @ W2[e]
@@ -209,7 +209,7 @@ def grouped_mlp_bwd(
                 partial=partial, dy=dy, fc2_bias=fc2_bias, splits=splits, dprobs=dprobs,
                 bias_term=cfg.scale_fc2_bias and fc2_bias is not None,
             )
-        # mxfp8: g_h's two operands (FC1_DGRAD's, dW1's) from one read of the fp32 g_h likewise
+        # one_read recipes: g_h's two operands (FC1_DGRAD's, dW1's) from one values pass likewise
         g_values = None
         if need_dx:
             # FC1_DGRAD: dx = g_h @ W1[e]

@@ -81,18 +81,20 @@ class WeightOperand:
 
 def one_read(recipe) -> bool:
     """Whether a tensor that a GEMM reads along K and a weight gradient along its rows (dy, g_h) takes
-    both operands from one pass (``both``): mxfp8, whose operands are values in the tensor's own
-    layout with no per-tensor factor (kernels/quant ``dequantized_both``)."""
-    return recipe is not None and recipe.name == "mxfp8"
+    both operands from one values pass (``both``): the emulated recipes, whose operands are values
+    in the tensor's own layout, mxfp8's and nvfp4's without the Hadamard option (whose wgrad amax
+    is taken after the rotation; kernels/quant ``dequantized_both``)."""
+    return recipe is not None and (recipe.name == "mxfp8" or (recipe.name == "nvfp4" and not recipe.hadamard))
 
 
-def both(t: Tensor, splits: Tensor, recipe, blocks: WgradBlocks) -> tuple[ActOperand, Tensor]:
-    """(``act(t, recipe)``, the dequantized values ``wgrad`` makes of t as its gradient operand),
-    the same bits, from one pass over t (``one_read`` recipes): pass the second as ``wgrad``'s
+def both(t: Tensor, splits: Tensor, recipe, blocks: WgradBlocks) -> tuple[ActOperand, tuple[Tensor, Optional[Tensor]]]:
+    """(``act(t, recipe)``, the (values, factor) that ``wgrad`` makes of t as its gradient operand),
+    the same bits, from one values pass over t (``one_read`` recipes): pass the second as ``wgrad``'s
     ``g_values``."""
-    rows, wgrad_values = kq.dequantized_both(t, splits, recipe, out_dtype=torch.bfloat16, tiny_blocks_exact=False,
-                                             blocks=blocks.get())  # fmt: skip
-    return ActOperand(rows), wgrad_values
+    rows, rows_factor, values, factor = kq.dequantized_both(
+        t, splits, recipe, is_grad=True, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=blocks.get()
+    )
+    return ActOperand(rows, factor=rows_factor), (values, factor)
 
 
 def fc1_z(x_op: ActOperand, b_op: WeightOperand, weight: Weight, h: Tensor, bias: Optional[Tensor], F: int,
@@ -103,7 +105,7 @@ def fc1_z(x_op: ActOperand, b_op: WeightOperand, weight: Weight, h: Tensor, bias
     z in the compute dtype, or fp32 under a recipe (the unrounded values it quantizes)."""
     M = h.shape[0]
     r = cfg.recipe
-    if one_read(r):
+    if r is not None and r.name == "mxfp8":
         z = torch.empty((M, F), dtype=torch.bfloat16, device=h.device)
         if engine_kernel("fc1", x_op, b_op, weight, out=h, bias=bias, h=None, z=z, cfg=cfg) == "fc1":
             return z, True
@@ -611,7 +613,7 @@ def wgrad(
     scale_bias: bool = False,
     blocks: Optional[WgradBlocks] = None,  # shared by the wgrads of one backward; None: computed here
     transposed: bool = False,  # dW stored as a contiguous (E, Q, P), returned as its (E, P, Q) view
-    g_values: Optional[Tensor] = None,  # an mxfp8 g's dW operand made already (``both``)
+    g_values: Optional[tuple[Tensor, Optional[Tensor]]] = None,  # g's dW operand made already (``both``)
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """(dW, db): dW (E, P, Q) in dw_dtype, dW[e] = g[R_e]ᵀ @ x[R_e] (None without x), db = Σ_{R_e}
     g (· probs) in bias's dtype (None without bias). Without a recipe one launch computes both; under
@@ -647,10 +649,11 @@ def wgrad(
                 g_v, g_factor = kq.dequantized_wgrad(
                     g, splits, recipe, is_grad=True, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows
                 )
-            elif not one_read(recipe) or g_values.shape != g.shape or g_values.dtype != torch.bfloat16:
-                raise ValueError("g_values: the bf16 values of operands.both(g, ...) under mxfp8")
+            elif (not one_read(recipe) or len(g_values) != 2 or g_values[0].shape != g.shape
+                  or g_values[0].dtype != torch.bfloat16 or (g_values[1] is None) != (recipe.name != "nvfp4")):
+                raise ValueError("g_values: the (bf16 values, factor) of operands.both(g, ...)")
             else:
-                g_v, g_factor = g_values, None
+                g_v, g_factor = g_values
             x_v, x_factor = kq.dequantized_wgrad(
                 x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows
             )

@@ -276,10 +276,12 @@ def _wgrad_launch(
     rows_out: Tensor | None = None,
 ):
     """Both passes of a wgrad operand: nvfp4's amax pass, then the codes and scales (``out`` None) or
-    the values written into ``out`` (T, K); with ``rows_out`` (mxfp8, ``out`` given) the same pass
-    writes there t's values quantized along K, as ``dequantized(t, recipe)``. Returns (codes, scales,
-    rows, amax, factor, codes_t), the unused ones None (amax: nvfp4's tensor amax): factor is nvfp4's
-    1/S_enc for ``out``; codes_t the (K, P) transposed codes.
+    the values written into ``out`` (T, K); with ``rows_out`` (mxfp8, nvfp4 without the Hadamard
+    option; ``out`` given) the same passes write there t's values quantized along K, as
+    ``dequantized(t, recipe)`` (nvfp4: its amax pass takes all of t's amax too). Returns (codes,
+    scales, rows, amax, factor, codes_t, rows_factor), the unused ones None (amax: nvfp4's tensor
+    amax): factor is nvfp4's 1/S_enc for ``out``, rows_factor for ``rows_out``; codes_t the (K, P)
+    transposed codes.
     ``blocks``: the ``row_blocks`` of these splits, rows and block, computed once by the caller."""
     rid = recipe_id(recipe)
     B = recipe.block
@@ -297,15 +299,18 @@ def _wgrad_launch(
         raise TypeError(f"blocks: expected tensors on {t.device}, got {blocks.start.device}")
     start, count, rows, nb, _ = blocks
     bk, warps = WGRAD_TILE[B]
-    if rows_out is not None and (rid != _MXFP8 or out is None or bk % B):
-        raise ValueError(f"rows_out: mxfp8's values only, on tiles whose {bk} columns hold whole {B}-wide blocks")
-    grid = (nb, cdiv(K, bk))
     hadamard = rid == _NVFP4 and recipe.hadamard
+    if rows_out is not None and (rid == _FP8_BLOCK or hadamard or out is None or bk % B):
+        raise ValueError(
+            f"rows_out: mxfp8's or nvfp4's values without the Hadamard option only, on tiles whose {bk} columns "
+            f"hold whole {B}-wide blocks"
+        )
+    grid = (nb, cdiv(K, bk))
     stochastic = rid == _NVFP4 and recipe.stochastic_rounding and is_grad
     pow2 = bool(getattr(recipe, "pow2_scales", False))
     common = dict(RECIPE=rid, B=B, BK=bk, POW2=pow2, VMAX=_vmax(t.dtype), HADAMARD=hadamard, STOCHASTIC=stochastic,
                   num_warps=warps)
-    codes = scales = factor = codes_t = None
+    codes = scales = factor = codes_t = rows_factor = None
     if out is None:
         scales = torch.empty((nb, K), dtype=torch.float32 if rid == _FP8_BLOCK else torch.uint8, device=t.device)
         if transposed:  # the codes are only stored transposed; ``codes`` is codes_t's transposed view
@@ -315,33 +320,41 @@ def _wgrad_launch(
             codes = torch.empty((nb * B // (2 if rid == _NVFP4 else 1), K), dtype=torch.uint8, device=t.device)
     elif rid == _NVFP4:
         factor = torch.empty((), dtype=torch.float32, device=t.device)
+        if rows_out is not None:
+            rows_factor = torch.empty((), dtype=torch.float32, device=t.device)
     # nvfp4's tensor amax (0 where nothing is launched); the other recipes' kernels never read it, so
     # t stands in for the pointer rather than a tensor filled on the device every call.
     amax = torch.zeros((), dtype=torch.float32, device=t.device) if rid == _NVFP4 else t
+    rows_amax = amax  # nvfp4 with rows_out: the amax of all of t, from the same amax pass
     # With no rows (T = 0) the launch still runs: every block is padding, so it writes code 0 and an
     # empty block's scale, as the reference does (the outputs are never left uninitialized).
     if K > 0 and nb > 0:
         if rid == _NVFP4:
             partial = torch.empty(grid, dtype=torch.float32, device=t.device)
+            rows_partial = partial if rows_out is None else torch.empty(grid, dtype=torch.float32, device=t.device)
             launch(_wgrad_kernel, grid,
-                t, start, count, partial, partial, partial, T, K, partial, partial, AMAX_ONLY=True, DEQUANT=False,
-                STORE_T=False, STORE_ROWS=False, ROWS=False, **common,
+                t, start, count, partial, partial, partial, T, K, partial, partial, rows_partial, partial,
+                AMAX_ONLY=True, DEQUANT=False, STORE_T=False, STORE_ROWS=False, ROWS=rows_out is not None, **common,
             )  # fmt: skip
             amax = partial.amax()
+            rows_amax = rows_partial.amax() if rows_out is not None else amax
         if out is None:
             launch(_wgrad_kernel, grid,
-                t, start, count, codes, scales, amax, T, K, codes_t if transposed else codes, codes, AMAX_ONLY=False,
-                DEQUANT=False, STORE_T=transposed, STORE_ROWS=not transposed, ROWS=False, **common,
+                t, start, count, codes, scales, amax, T, K, codes_t if transposed else codes, codes, amax, amax,
+                AMAX_ONLY=False, DEQUANT=False, STORE_T=transposed, STORE_ROWS=not transposed, ROWS=False, **common,
             )  # fmt: skip
         else:
             s_dec = factor if factor is not None else out
             launch(_wgrad_kernel, grid,
-                t, start, count, out, s_dec, amax, T, K, out, out if rows_out is None else rows_out, AMAX_ONLY=False,
-                DEQUANT=True, STORE_T=False, STORE_ROWS=False, ROWS=rows_out is not None, **common,
+                t, start, count, out, s_dec, amax, T, K, out, out if rows_out is None else rows_out, rows_amax,
+                s_dec if rows_factor is None else rows_factor,
+                AMAX_ONLY=False, DEQUANT=True, STORE_T=False, STORE_ROWS=False, ROWS=rows_out is not None, **common,
             )  # fmt: skip
     elif factor is not None:
         factor.fill_(1.0)  # no columns: amax 0, S_enc 1
-    return codes, scales, rows, amax if rid == _NVFP4 else None, factor, codes_t
+        if rows_factor is not None:
+            rows_factor.fill_(1.0)
+    return codes, scales, rows, amax if rid == _NVFP4 else None, factor, codes_t, rows_factor
 
 
 def quantize_wgrad(
@@ -359,7 +372,7 @@ def quantize_wgrad(
     if transposed and rid == _NVFP4:
         raise ValueError("transposed: nvfp4 codes are packed in pairs along the rows; no transposed copy")
     B = recipe.block
-    codes, scales, rows, amax, _, codes_t = _wgrad_launch(t, splits, recipe, is_grad, None, transposed, blocks)
+    codes, scales, rows, amax, _, codes_t, _ = _wgrad_launch(t, splits, recipe, is_grad, None, transposed, blocks)
     codes_t = codes_t.view(torch.float8_e4m3fn) if codes_t is not None else None
     shape = (codes.shape[0] * (2 if rid == _NVFP4 else 1), t.shape[1])
     if rid == _NVFP4:
@@ -520,7 +533,7 @@ def dequantized_wgrad(
     _check_wgrad(t, splits)
     _check_out_dtype(recipe, t.dtype, out_dtype, tiny_blocks_exact)
     values = torch.empty(t.shape, dtype=out_dtype, device=t.device)
-    _, _, _, _, factor, _ = _wgrad_launch(t, splits, recipe, is_grad, values, blocks=blocks)
+    _, _, _, _, factor, _, _ = _wgrad_launch(t, splits, recipe, is_grad, values, blocks=blocks)
     return values, factor
 
 
@@ -528,21 +541,29 @@ def dequantized_both(
     t: Tensor,
     splits: Tensor,
     recipe,
+    is_grad: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
     tiny_blocks_exact: bool = True,
     blocks: RowBlocks | None = None,
-) -> tuple[Tensor, Tensor]:
-    """(rows, wgrad) of a (T, K) operand read by a GEMM along K and by a weight gradient along its
-    rows, under mxfp8: ``dequantized(t, recipe)``'s values and ``dequantized_wgrad(t, splits,
-    recipe)``'s, bit for bit, from one pass that reads t once (the two passes read it twice).
-    ``tiny_blocks_exact`` and ``blocks`` as there. mxfp8 only: nvfp4's two orientations need two
-    tensor amaxes (the wgrad one after the Hadamard rotation) before any value, fp8_block's
-    128-wide blocks give up the narrow tiles that keep the loads in flight (docs/DECISIONS.md)."""
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+    """(rows, rows_factor, wgrad, wgrad_factor) of a (T, K) operand read by a GEMM along K and by a
+    weight gradient along its rows: ``dequantized(t, recipe)``'s (values, factor) and
+    ``dequantized_wgrad(t, splits, recipe, is_grad)``'s, bit for bit, the factors nvfp4's 1/S_enc
+    (None under mxfp8). Under mxfp8 one pass reads t once (the two passes read it twice); under
+    nvfp4 one amax pass takes both tensor amaxes (all of t, and the rows that belong to an expert)
+    and one values pass writes both (the separate passes read t four times). ``tiny_blocks_exact``
+    and ``blocks`` as there. mxfp8 and nvfp4 without the Hadamard option only: with it the wgrad
+    amax is taken after the rotation, and fp8_block's 128-wide blocks give up the narrow tiles that
+    keep the loads in flight (docs/DECISIONS.md)."""
     _check_wgrad(t, splits)
-    if recipe_id(recipe) != _MXFP8:
-        raise ValueError(f"recipe: dequantized_both takes mxfp8 only, got {getattr(recipe, 'name', recipe)!r}")
+    rid = recipe_id(recipe)
+    if rid == _FP8_BLOCK or (rid == _NVFP4 and recipe.hadamard):
+        raise ValueError(
+            f"recipe: dequantized_both takes mxfp8, or nvfp4 without the Hadamard option, got "
+            f"{getattr(recipe, 'key', recipe)!r}"
+        )
     _check_out_dtype(recipe, t.dtype, out_dtype, tiny_blocks_exact)
     rows = torch.empty(t.shape, dtype=out_dtype, device=t.device)
     wgrad = torch.empty(t.shape, dtype=out_dtype, device=t.device)
-    _wgrad_launch(t, splits, recipe, False, wgrad, blocks=blocks, rows_out=rows)
-    return rows, wgrad
+    _, _, _, _, factor, _, rows_factor = _wgrad_launch(t, splits, recipe, is_grad, wgrad, blocks=blocks, rows_out=rows)
+    return rows, rows_factor, wgrad, factor

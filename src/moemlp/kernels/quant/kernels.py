@@ -369,6 +369,8 @@ def _wgrad_kernel(
     K,
     codes_t_ptr,  # STORE_T: uint8 (K, NB·B), the padded codes transposed
     rows_ptr,  # ROWS: (T, K) the same rows dequantized along K instead, in 1×B blocks, output dtype
+    rows_amax_ptr,  # nvfp4 ROWS: fp32 scalar, the amax of all of t (AMAX_ONLY: (NB, nK) partials written)
+    rows_factor_ptr,  # nvfp4 ROWS DEQUANT: fp32 scalar, the rows' 1/S_enc (written by program (0, 0))
     RECIPE: tl.constexpr,
     B: tl.constexpr,  # rows per block: 128, 32, 16
     BK: tl.constexpr,
@@ -380,7 +382,8 @@ def _wgrad_kernel(
     DEQUANT: tl.constexpr,  # write code·block_scale back to the source rows instead of codes and scales
     STORE_T: tl.constexpr,  # store the codes transposed (fp8_block, mxfp8)
     STORE_ROWS: tl.constexpr,  # store the codes in rows (P, K); off with STORE_T: the wgrad GEMM reads only codes_t
-    ROWS: tl.constexpr,  # mxfp8 DEQUANT: also write the rows' values quantized along K (``rows_ptr``)
+    ROWS: tl.constexpr,  # mxfp8, nvfp4 DEQUANT: also write the rows' values quantized along K (``rows_ptr``);
+    #                     nvfp4 AMAX_ONLY: also the amax of every row (``rows_amax_ptr``)
 ):
     pid_b = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -395,13 +398,29 @@ def _wgrad_kernel(
     out_mask = tl.where(count > 0, r < count, start + r < T)[:, None] & (rk < K)[None, :]
     if ROWS:
         # every row this program writes, those past Σsplits too: their 1×B blocks along K are the
-        # rowwise pass's (``dequantized``), while the row blocks see zeros there
+        # rowwise pass's (``dequantized``), while the row blocks see zeros there. The row blocks
+        # cover each row of t once, so their programs' maxima are all of t's amax.
         x_rows = tl.load(x_ptr + src, mask=out_mask, other=0.0).to(tl.float32)
         x = tl.where(mask, x_rows, 0.0)
-        e_r = e8m0_exponent(_per_block_max(abs_or_zero(x_rows), B, BK // B, B))  # (B, BK // B)
-        codes_r = e4m3_code(x_rows * _per_block_spread(e8m0_quant_multiplier(e_r), B, BK // B, B))
-        values_r = e4m3_signed_value(codes_r) * _per_block_spread(e8m0_dequant_multiplier(e_r), B, BK // B, B)
-        tl.store(rows_ptr + src, values_r.to(rows_ptr.dtype.element_ty), mask=out_mask)
+        a_r = abs_or_zero(x_rows)
+        if AMAX_ONLY:
+            tl.store(rows_amax_ptr + pid_b * tl.num_programs(1) + pid_k, tl.max(tl.max(a_r, axis=1), axis=0))
+        elif RECIPE == 1:
+            e_r = e8m0_exponent(_per_block_max(a_r, B, BK // B, B))  # (B, BK // B)
+            codes_r = e4m3_code(x_rows * _per_block_spread(e8m0_quant_multiplier(e_r), B, BK // B, B))
+            values_r = e4m3_signed_value(codes_r) * _per_block_spread(e8m0_dequant_multiplier(e_r), B, BK // B, B)
+            tl.store(rows_ptr + src, values_r.to(rows_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            # nvfp4's rowwise values as ``_quantize_kernel`` forms them, with the S_enc of all of t
+            s_enc_r = nvfp4_tensor_scale(tl.load(rows_amax_ptr))
+            has_nan_r = _per_block_max((x_rows != x_rows).to(tl.int32), B, BK // B, B)
+            s_code_r, inv_r = nvfp4_block_scale(_per_block_max(a_r, B, BK // B, B), s_enc_r)  # (B, BK // B)
+            s_code_r = tl.where(has_nan_r > 0, 0x7F, s_code_r)
+            y_r = x_rows * _per_block_spread(inv_r, B, BK // B, B)
+            s_r = _per_block_spread(block_scale_values(s_code_r, RECIPE), B, BK // B, B)
+            tl.store(rows_ptr + src, (e2m1_value_rn(y_r) * s_r).to(rows_ptr.dtype.element_ty), mask=out_mask)
+            s_dec_r = tl.div_rn(1.0 + tl.zeros_like(s_enc_r), s_enc_r)  # the reference's 1/S_enc
+            tl.store(rows_factor_ptr, s_dec_r, mask=(pid_b == 0) & (pid_k == 0))
     else:
         x = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
     if HADAMARD:
