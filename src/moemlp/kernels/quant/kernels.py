@@ -46,6 +46,17 @@ def _per_block_spread(v, BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
+def _nvfp4_row_values(x, s_enc, BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
+    """(BM, NB·B) fp32 → nvfp4's values code·s along each row's 1×B blocks, S_enc ``s_enc``, as
+    ``dequantized`` writes them: code·s is exact (≤ 6 significant bits, 2^-10 … 2688), and a block
+    holding a NaN gets the NaN mark (s code 0x7F), so its values are NaN."""
+    has_nan = _per_block_max((x != x).to(tl.int32), BM, NB, B)
+    s_code, inv = nvfp4_block_scale(_per_block_max(abs_or_zero(x), BM, NB, B), s_enc)  # (BM, NB)
+    s = block_scale_values(tl.where(has_nan > 0, 0x7F, s_code), 2)
+    return e2m1_value_rn(x * _per_block_spread(inv, BM, NB, B)) * _per_block_spread(s, BM, NB, B)
+
+
+@triton.jit
 def _spread(v, AXIS: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, BK: tl.constexpr):
     """A per-block value over the tile: rowwise tiles hold NB blocks per row, (BM, NB) → (BM, BK);
     columnwise (1, BK) values broadcast as they are."""
@@ -124,21 +135,17 @@ def _quantize_kernel(
         off = rm.to(tl.int64)[:, None] * K + rk[None, :]
         x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
         s_enc = nvfp4_tensor_scale(tl.load(amax_ptr))
-        block_amax = _per_block_max(abs_or_zero(x), BM, NB, BK // NB)
-        has_nan = _per_block_max((x != x).to(tl.int32), BM, NB, BK // NB)
-        s_code, inv = nvfp4_block_scale(block_amax, s_enc)  # (BM, NB)
-        y = x * _per_block_spread(inv, BM, NB, BK // NB)
-        c = e2m1_code(y)
-        s_code = tl.where(has_nan > 0, 0x7F, s_code)
         if DEQUANT:
-            # code·s is exact (≤ 6 significant bits, 2^-10 … 2688); the NaN mark (s_code 0x7F, set
-            # above for a block with a NaN) makes its block NaN
-            s = block_scale_values(s_code, RECIPE)
-            values = e2m1_value_rn(y) * _per_block_spread(s, BM, NB, BK // NB)
+            values = _nvfp4_row_values(x, s_enc, BM, NB, BK // NB)
             tl.store(codes_ptr + batch * M * K + off, values.to(codes_ptr.dtype.element_ty), mask=mask)
             s_dec = tl.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)  # the reference's 1/S_enc
             tl.store(scales_ptr, s_dec, mask=(pid_m == 0) & (pid_k == 0) & (batch == 0))
         else:
+            block_amax = _per_block_max(abs_or_zero(x), BM, NB, BK // NB)
+            has_nan = _per_block_max((x != x).to(tl.int32), BM, NB, BK // NB)
+            s_code, inv = nvfp4_block_scale(block_amax, s_enc)  # (BM, NB)
+            c = e2m1_code(x * _per_block_spread(inv, BM, NB, BK // NB))
+            s_code = tl.where(has_nan > 0, 0x7F, s_code)
             c0, c1 = tl.split(tl.reshape(c, (BM, BK // 2, 2)))  # elements 2j and 2j + 1
             kp = (K + 1) // 2
             rj = pid_k * (BK // 2) + tl.arange(0, BK // 2)
@@ -413,12 +420,8 @@ def _wgrad_kernel(
         else:
             # nvfp4's rowwise values as ``_quantize_kernel`` forms them, with the S_enc of all of t
             s_enc_r = nvfp4_tensor_scale(tl.load(rows_amax_ptr))
-            has_nan_r = _per_block_max((x_rows != x_rows).to(tl.int32), B, BK // B, B)
-            s_code_r, inv_r = nvfp4_block_scale(_per_block_max(a_r, B, BK // B, B), s_enc_r)  # (B, BK // B)
-            s_code_r = tl.where(has_nan_r > 0, 0x7F, s_code_r)
-            y_r = x_rows * _per_block_spread(inv_r, B, BK // B, B)
-            s_r = _per_block_spread(block_scale_values(s_code_r, RECIPE), B, BK // B, B)
-            tl.store(rows_ptr + src, (e2m1_value_rn(y_r) * s_r).to(rows_ptr.dtype.element_ty), mask=out_mask)
+            values_r = _nvfp4_row_values(x_rows, s_enc_r, B, BK // B, B)
+            tl.store(rows_ptr + src, values_r.to(rows_ptr.dtype.element_ty), mask=out_mask)
             s_dec_r = tl.div_rn(1.0 + tl.zeros_like(s_enc_r), s_enc_r)  # the reference's 1/S_enc
             tl.store(rows_factor_ptr, s_dec_r, mask=(pid_b == 0) & (pid_k == 0))
     else:
