@@ -102,17 +102,16 @@ def _block_axis(x: Tensor, axis: int, name: str = "axis") -> bool:
 # 4 mxfp8, 8 nvfp4 blocks side by side): nvfp4's former 32×(8+8) interleaved tiles reached 263 GB/s,
 # mxfp8's 32×32 ~1.5 TB/s; benchmarks/bench_quantizer_tiles.py sweeps.
 ROW_TILE = (32, 128, 4)
-# _wgrad_kernel: rows per block -> (columns per program, warps), from benchmarks/bench_wgrad_quantizer.py
-# (the four wgrad operands of mixtral-8x7b / deepseek-v3-ep8, bits equal for every tile): fp8_block's
-# 128-row blocks 32 columns at 4 warps, 2.76 -> 1.35 / 2.32 -> 1.23 ms against 128 columns at 8 warps
-# (143 registers: one CTA per SM; 32×4 took ~120, several CTAs per SM keep more loads in flight; that
-# sweep predates formats.div_448 / rcp_rn, with which 32×4 takes 56 on triton 3.6 and 64 columns at 8
-# warps 64, so the ranking may have moved);
-# mxfp8's 32-row blocks 64 columns at 2 warps, 1.44 -> 1.34 / 1.08 -> 1.00 ms.
+# _wgrad_kernel: rows per block -> (columns per program, warps), the fastest tiles of
+# benchmarks/bench_wgrad_quantizer.py, which checks that every tile gives the same bits (the
+# measurements: docs/DECISIONS.md, "Quantizer tiles" and "nvfp4's wgrad operand quantizer"):
+# fp8_block's 128-row blocks 32 columns at 4 warps: narrow tiles keep few registers, so several CTAs
+# an SM keep more loads in flight than one 128 × 8 CTA (since formats.div_448 / rcp_rn lowered the
+# registers of every tile, the ranking may have moved: the bench re-sweeps it);
+# mxfp8's 32-row blocks 64 columns at 2 warps;
 # nvfp4's 16-row blocks 64 columns at 1 warp: a block's scale (two IEEE divisions, the e4m3 code) is
 # computed by every thread that holds one of its rows, 16 of them at 128 × 8 (once an element), 4 at
-# 64 × 1, which cuts the values pass's instructions by half and its time by about 3× (docs/DECISIONS.md,
-# "nvfp4's wgrad operand quantizer"); the bits do not depend on the tile. Settable for that bench.
+# 64 × 1, which halves the values pass's instructions. Settable for that bench.
 WGRAD_TILE = {128: (32, 4), 32: (64, 2), 16: (64, 1)}
 COL_TILE = (64, 4)
 
