@@ -46,14 +46,24 @@ def _per_block_spread(v, BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
+def _nvfp4_row_blocks(x, s_enc, BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
+    """(BM, NB·B) fp32 → nvfp4's 1×B row blocks at S_enc ``s_enc``: (the (BM, NB) e4m3 scale codes,
+    0x7F (the NaN mark) for a block holding a NaN; x divided by its block's scale, for e2m1)."""
+    block_amax = _per_block_max(abs_or_zero(x), BM, NB, B)
+    has_nan = _per_block_max((x != x).to(tl.int32), BM, NB, B)
+    s_code, inv = nvfp4_block_scale(block_amax, s_enc)  # (BM, NB)
+    y = x * _per_block_spread(inv, BM, NB, B)
+    return tl.where(has_nan > 0, 0x7F, s_code), y
+
+
+@triton.jit
 def _nvfp4_row_values(x, s_enc, BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
     """(BM, NB·B) fp32 → nvfp4's values code·s along each row's 1×B blocks, S_enc ``s_enc``, as
     ``dequantized`` writes them: code·s is exact (≤ 6 significant bits, 2^-10 … 2688), and a block
-    holding a NaN gets the NaN mark (s code 0x7F), so its values are NaN."""
-    has_nan = _per_block_max((x != x).to(tl.int32), BM, NB, B)
-    s_code, inv = nvfp4_block_scale(_per_block_max(abs_or_zero(x), BM, NB, B), s_enc)  # (BM, NB)
-    s = block_scale_values(tl.where(has_nan > 0, 0x7F, s_code), 2)
-    return e2m1_value_rn(x * _per_block_spread(inv, BM, NB, B)) * _per_block_spread(s, BM, NB, B)
+    holding a NaN, whose scale code is the NaN mark, comes out NaN."""
+    s_code, y = _nvfp4_row_blocks(x, s_enc, BM, NB, B)
+    s = block_scale_values(s_code, 2)  # RECIPE 2: nvfp4
+    return e2m1_value_rn(y) * _per_block_spread(s, BM, NB, B)
 
 
 @triton.jit
@@ -141,11 +151,8 @@ def _quantize_kernel(
             s_dec = tl.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)  # the reference's 1/S_enc
             tl.store(scales_ptr, s_dec, mask=(pid_m == 0) & (pid_k == 0) & (batch == 0))
         else:
-            block_amax = _per_block_max(abs_or_zero(x), BM, NB, BK // NB)
-            has_nan = _per_block_max((x != x).to(tl.int32), BM, NB, BK // NB)
-            s_code, inv = nvfp4_block_scale(block_amax, s_enc)  # (BM, NB)
-            c = e2m1_code(x * _per_block_spread(inv, BM, NB, BK // NB))
-            s_code = tl.where(has_nan > 0, 0x7F, s_code)
+            s_code, y = _nvfp4_row_blocks(x, s_enc, BM, NB, BK // NB)  # (BM, NB) codes, (BM, BK)
+            c = e2m1_code(y)
             c0, c1 = tl.split(tl.reshape(c, (BM, BK // 2, 2)))  # elements 2j and 2j + 1
             kp = (K + 1) // 2
             rj = pid_k * (BK // 2) + tl.arange(0, BK // 2)
