@@ -262,10 +262,15 @@ def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tens
     count = torch.empty((nb,), dtype=torch.int32, device=device)
     rows = torch.empty((num_rows,), dtype=torch.int64, device=device)
     eb = max(16, next_power_of_2(num_experts))
-    chunk = max(1, min(256, 4096 // eb))  # a (chunk, eb) comparison a program: ≤ 32 values a thread
+    # A (chunk, eb) comparison a program, ≤ 32 values a thread on four warps. From 64 to 512 experts
+    # the sums along the experts would cross warps through shared memory (~80 barriers a program at
+    # 128), so one warp takes at most 8 indices and the grid grows instead; past 512 one warp's
+    # registers spill (docs/DECISIONS.md, "_row_blocks_kernel on one warp").
+    chunk = max(1, min(256, 4096 // eb))
+    warps, chunk = (1, min(chunk, 8)) if 64 <= eb <= 512 else (4, chunk)
     if max(nb, num_rows):
         launch(_row_blocks_kernel, (cdiv(max(nb, num_rows), chunk),),
-            splits, start, count, rows, num_experts, num_rows, nb, B=block, EB=eb, CHUNK=chunk, num_warps=4
+            splits, start, count, rows, num_experts, num_rows, nb, B=block, EB=eb, CHUNK=chunk, num_warps=warps
         )
     return start, count, rows, nb
 
