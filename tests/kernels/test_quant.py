@@ -296,10 +296,15 @@ ROW_BLOCK_CASES = [
     ([3], 5, 32),
     ([256] * 128, 32768, 128),  # qwen3's shape
     ([17, 0, 33] * 100, 5000, 16),  # 300 experts (a 512-wide table, 8 indices a program)
+    ([16] * 64, 1000, 32),  # the narrowest table on one warp (64 wide, 8 indices a program)
+    ([5, 0, 9] * 200, 3000, 32),  # 600 experts: a 1024-wide table, back on four warps (4 indices)
 ]
-# The interpreter runs a program in ~3 ms: the two cases above with thousands of rows took ~50 s of
-# its ~70 there, so it takes the others and a 300-expert table over fewer rows instead.
-INTERPRETED_ROW_BLOCK_CASES = [c for c in ROW_BLOCK_CASES if c[1] <= 1000] + [([17, 0, 33] * 100, 600, 16)]
+# The interpreter runs a program in ~3 ms: the cases above with thousands of rows took ~50 s of its
+# ~70 there, so it takes the others and the 300- and 600-expert tables over fewer rows instead.
+INTERPRETED_ROW_BLOCK_CASES = [c for c in ROW_BLOCK_CASES if c[1] <= 1000] + [
+    ([17, 0, 33] * 100, 600, 16),
+    ([5, 0, 9] * 200, 600, 32),
+]
 
 
 def check_row_blocks(device: str) -> None:
