@@ -92,20 +92,21 @@ def _grouped_mlp_fwd_op(
     """(y, h, saved). ``keep_dgrad`` [W1, W2]: the weights whose dgrad the backward will run; the
     Triton backend under fp8_block returns their quantized dgrad operands in ``saved`` (codes_t and
     tile scales of each weight, kernels.operands.saved_dgrad) for grouped_mlp_bwd, so that each
-    weight is quantized once per forward + backward. [] on the torch backend, under the other
-    recipes, and when nothing is kept.
+    weight is quantized once per forward + backward. Under nvfp4 without the Hadamard option it holds
+    x's routed amax instead when anything is kept (the backward's dW1 operand takes it rather than
+    reading x for it). [] on the torch backend, under the other recipes, and when nothing is kept.
 
     ``quantized_weights``: [] or ``QuantizedWeights.tensors()`` (Triton): the GEMMs read those
     operands (fp8_block's codes, mxfp8's / nvfp4's dequantized values) and no weight is quantized;
-    ``saved`` is [] then, since an op's output may not alias its input: _GroupedMLPFunction hands
-    the cached dgrad operands to the backward itself. The torch backend ignores them (its
-    qdq_weight of the same unchanged weights gives the same values)."""
+    ``saved`` holds nvfp4's x amax alone then, since an op's output may not alias its input:
+    _GroupedMLPFunction hands the cached dgrad operands to the backward itself, in front of it. The
+    torch backend ignores them (its qdq_weight of the same unchanged weights gives the same values)."""
     cfg = _make_config(activation, activation_params, glu_interleave, scale_fc2_bias, recipe)
     args = (x, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, cfg)
     if backend == "torch":
         return (*reference.grouped_mlp_fwd(*args), [])
     if quantized_weights:
-        return (*_kernels().grouped_mlp_fwd(*args, quantized=quantized_weights), [])
+        return _kernels().grouped_mlp_fwd(*args, keep_dgrad=tuple(keep_dgrad), quantized=quantized_weights)
     return _kernels().grouped_mlp_fwd(*args, keep_dgrad=tuple(keep_dgrad))
 
 
@@ -113,10 +114,14 @@ def _grouped_mlp_fwd_op(
 def _(x, splits, probs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *args):
     recipe, backend, keep_dgrad, quantized_weights = args[-4:]
     saved = []
-    if backend != "torch" and recipe and not quantized_weights:
-        from .kernels import saved_dgrad_like
+    if backend != "torch" and recipe:
+        from .kernels import saved_dgrad_like, takes_routed_amax
 
-        saved = saved_dgrad_like((fc1_weight, fc2_weight), _recipes().from_key(recipe), keep_dgrad)
+        r = _recipes().from_key(recipe)
+        if not quantized_weights:
+            saved = saved_dgrad_like((fc1_weight, fc2_weight), r, keep_dgrad)
+        if any(keep_dgrad) and takes_routed_amax(r):
+            saved.append(x.new_empty((), dtype=torch.float32))
     return x.new_empty(x.shape), x.new_empty((x.shape[0], fc1_weight.shape[1])), saved
 
 
@@ -250,7 +255,8 @@ class _GroupedMLPFunction(torch.autograd.Function):
             # quantize_weights' tensors: the backward's dgrads read the cached dgrad operands
             # (fp8_block's codes_t and scales, mxfp8's / nvfp4's dgrad values and factor; the op
             # returns none, its outputs may not alias its inputs), recompute_fc1's FC1 W1's.
-            saved = cached_dgrad(quantized_weights) if any(keep_dgrad) else []
+            # (then the op's own saved: nvfp4's x amax, or nothing)
+            saved = (cached_dgrad(quantized_weights) if any(keep_dgrad) else []) + list(saved)
             fc1_quantized = cached_fc1(quantized_weights) if recompute_fc1 else []
         # Kept for backward: x, h (compute dtype), probs and the weights; a and z are recomputed.
         # With recompute_fc1, h is not kept either: backward runs FC1 again from x. Under fp8_block

@@ -422,6 +422,44 @@ def test_gpu_matches_torch_emulation(case, key):
             assert torch.equal(a, b), f"{name}: not bitwise repeatable"
 
 
+def _x_amax_handed_on(t, cfg, monkeypatch):
+    """A forward that keeps its dgrad operands, then the backward with its saved and without: returns
+    (saved, the dequantized_wgrad calls given an amax in each backward, the two backwards' gradients)."""
+    from moemlp.kernels.quant import api as kq
+
+    args = (t["splits"], t["probs"], t["fc1_weight"], t["fc2_weight"], t["fc1_bias"], t["fc2_bias"])
+    _, h, saved = K.grouped_mlp_fwd(t["x"], *args, cfg, keep_dgrad=(True, True))
+    given = []
+    real = kq.dequantized_wgrad
+    monkeypatch.setattr(
+        kq, "dequantized_wgrad", lambda *a, **k: given.append(k.get("amax") is not None) or real(*a, **k)
+    )
+    one = K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, (True,) * 6, saved=saved)
+    n_one, given[:] = sum(given), []
+    two = K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, (True,) * 6)
+    return saved, (n_one, sum(given)), one, two
+
+
+@interpreted
+def test_cpu_nvfp4_forward_hands_x_amax_to_the_backward(monkeypatch):
+    # nvfp4 without the Hadamard option: the forward's amax pass over x also takes the amax of the
+    # rows below Σsplits, and dW1's operand of x takes it instead of a pass of its own, the same bits.
+    # An empty expert and capacity rows (whose values must not reach that amax).
+    from moemlp.kernels.quant import api as kq
+
+    t, cfg = make((5, 0, 9), 56, 24, M=18, scale_fc2_bias=True)
+    t["x"][14:] *= 64.0  # the capacity rows hold x's largest values
+    saved, given, one, two = _x_amax_handed_on(t, with_recipe(cfg, NVFP4), monkeypatch)
+    assert len(saved) == 1 and saved[0].shape == () and saved[0].dtype == torch.float32
+    assert torch.equal(saved[0], kq.tensor_amaxes(t["x"], t["splits"])[1])
+    assert saved[0] < t["x"].float().abs().max()
+    assert given == (1, 0), given
+    _assert_same_bits(one, two)
+    # with the Hadamard option dW1's amax is the rotated rows': nothing is handed on
+    saved, given, _, _ = _x_amax_handed_on(t, with_recipe(cfg, "nvfp4:hadamard=1,stochastic_rounding=0"), monkeypatch)
+    assert saved == [] and given == (0, 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("key", ONE_READ_RECIPES + ["nvfp4"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])

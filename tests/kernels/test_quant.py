@@ -335,6 +335,85 @@ def test_row_blocks_match_the_torch_formulation_gpu():
     check_row_blocks("cuda")
 
 
+def check_tensor_amaxes(device: str) -> None:
+    """kq.tensor_amaxes: the amax of all of x and of its rows below Σsplits (clamped as row_blocks
+    clamps them), NaN ignored, equal to torch's and to the amax nvfp4's wgrad pass takes of the same
+    rows; a given amax gives dequantized and dequantized_wgrad the bits of their own amax pass."""
+    from moemlp.kernels.quant import api as kq
+
+    r = from_key("nvfp4:hadamard=0,stochastic_rounding=0")
+    g = torch.Generator().manual_seed(3)
+    cases = [
+        ([3, 5], 10),  # capacity rows past Σsplits, holding the largest values
+        ([-5, 20, 9], 20),  # negative, then a sum past T
+        ([0, 0], 12),  # nothing routed: the routed amax is 0
+        ([], 6),  # no experts
+        ([4], 0),  # no rows
+    ]
+    for splits, T in cases:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(T, 48, generator=g).to(dtype)
+            s = torch.tensor(splits, dtype=torch.int64)
+            rows = min(int(s.clamp(min=0, max=T).sum()), T)
+            x[rows:] *= 100.0  # the rows past Σsplits hold the largest magnitudes
+            if rows:
+                x[rows - 1, 7] = float("nan")  # ignored
+            a = x.float().abs().nan_to_num(0.0)
+            want_all = a.max() if T else torch.tensor(0.0)
+            want_routed = a[:rows].max() if rows else torch.tensor(0.0)
+            xd, sd = x.to(device), s.to(device)
+            got_all, got_routed = kq.tensor_amaxes(xd, sd)
+            what = (splits, T, dtype)
+            assert got_all.shape == got_routed.shape == () and got_all.dtype == torch.float32, what
+            assert torch.equal(got_all.cpu(), want_all) and torch.equal(got_routed.cpu(), want_routed), what
+            assert torch.equal(kq.tensor_amax(xd).cpu(), want_all), what
+            # the wgrad pass's own amax of the same rows: what the backward would compute
+            pass_amax = kq._wgrad_launch(xd, sd, r, False, None)[3]
+            assert torch.equal(pass_amax.cpu(), want_routed), what
+            for given in (False, True):
+                v, f = kq.dequantized_wgrad(xd, sd, r, out_dtype=torch.float32, amax=got_routed if given else None)
+                vq, fq = kq.dequantized(xd, r, out_dtype=torch.float32, amax=got_all if given else None)
+                if not given:
+                    base = (v, f, vq, fq)
+                    continue
+                for name, a_, b_ in zip(("wgrad values", "wgrad factor", "values", "factor"), (v, f, vq, fq), base):
+                    assert torch.equal(a_.cpu().nan_to_num(7.0), b_.cpu().nan_to_num(7.0)), (name, *what)
+
+
+@pytest.mark.interpreter_child(seconds=6)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test below covers it")
+def test_tensor_amaxes_interpreted():
+    _run_interpreted("check_tensor_amaxes")
+
+
+@pytest.mark.gpu
+def test_tensor_amaxes_gpu():
+    check_tensor_amaxes("cuda")
+
+
+def test_given_amax_rejected_where_not_read():
+    from moemlp.kernels import operands
+    from moemlp.kernels.quant import api as kq
+
+    x, s = torch.zeros(8, 32), torch.tensor([3, 5])
+    nv = from_key("nvfp4:hadamard=0,stochastic_rounding=0")
+    blocks = kq.RowBlocks(*_row_blocks_oracle([3, 5], 8, 16), 16)
+    with pytest.raises(ValueError, match="amax: only nvfp4"):
+        kq.dequantized(x, recipe("mxfp8"), out_dtype=torch.float32, amax=torch.tensor(1.0))
+    with pytest.raises(ValueError, match="amax: expected a 0-d float32 tensor"):
+        kq.dequantized(x, nv, amax=torch.ones(1))
+    with pytest.raises(ValueError, match="amax: expected a 0-d float32 tensor"):
+        kq.dequantized(x, nv, amax=torch.tensor(1.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match="amax: only nvfp4"):
+        kq.dequantized_wgrad(x, s, from_key("nvfp4:hadamard=1,stochastic_rounding=0"), out_dtype=torch.float32,
+                             blocks=blocks, amax=torch.tensor(1.0))  # fmt: skip
+    with pytest.raises(ValueError, match="x_amax"):
+        operands.wgrad(x, x, s, recipe("mxfp8"), dtype=torch.bfloat16, dw_dtype=torch.float32,
+                       x_amax=torch.tensor(1.0))  # fmt: skip
+    with pytest.raises(ValueError, match="x_amax"):
+        operands.wgrad(x, None, s, nv, dtype=torch.bfloat16, dw_dtype=torch.float32, x_amax=torch.tensor(1.0))
+
+
 @pytest.mark.parametrize(
     "splits, clamped",
     [

@@ -485,7 +485,8 @@ def test_cpu_opcheck_ops_with_quantized_weights(recipe_name):
     fwd = torch.ops.moemlp.grouped_mlp_fwd
     for keep in ([True, True], [False, False]):
         y, h, saved = fwd(*inputs, *opts, keep, cached)
-        assert saved == []  # the cached dgrad operands go to the backward around the op
+        # the cached dgrad operands go to the backward around the op; nvfp4's x amax is the op's own
+        assert [t.shape for t in saved] == ([()] if keep[0] and recipe_name == "nvfp4" else [])
         y0, h0, _ = fwd(*inputs, *opts, keep, [])
         assert torch.equal(y, y0) and torch.equal(h, h0)
         if keep[0]:  # with a cache the op keeps nothing whatever keep says: one opcheck (5 s)

@@ -2,7 +2,7 @@
 grouped-GEMM kernels (gemm/) and the quantizers (quant/). This face only hands names on."""
 
 from .mlp import grouped_fc1, grouped_mlp_bwd, grouped_mlp_fwd, is_available, supports_recipe, unavailable_reason
-from .operands import saved_dgrad_like
+from .operands import saved_dgrad_like, takes_routed_amax
 
 __all__ = [
     "is_available",
@@ -12,4 +12,5 @@ __all__ = [
     "grouped_mlp_bwd",
     "grouped_fc1",
     "saved_dgrad_like",
+    "takes_routed_amax",
 ]

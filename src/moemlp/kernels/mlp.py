@@ -93,9 +93,12 @@ def grouped_mlp_fwd(
 ) -> tuple[Tensor, ...]:
     """Returns y (M, H) and h (M, N1), both in x.dtype; capacity rows are 0. With ``keep_dgrad``
     also ``saved``, a list for ``grouped_mlp_bwd``: under fp8_block the codes_t (E, C, R) and
-    scales of each weight kept (empty tensors for one not kept), else [] (operands.saved_dgrad).
+    scales of each weight kept (empty tensors for one not kept), else [] (operands.saved_dgrad);
+    under nvfp4 without the Hadamard option, when any weight is kept, it ends with x's routed amax
+    (0-d fp32, ``operands.act``), which the backward's dW1 operand takes.
     With ``quantized`` the GEMMs read those operands (fp8_block's codes, mxfp8's / nvfp4's
-    dequantized values) and no weight is quantized here (operands.cached_weights)."""
+    dequantized values), no weight is quantized here (operands.cached_weights) and ``saved`` holds
+    only the amax: the caller puts the cached dgrad operands in front of it."""
     _check(cfg, x=x, splits=splits, probs=probs, fc1_weight=fc1_weight, fc2_weight=fc2_weight, fc1_bias=fc1_bias,
            fc2_bias=fc2_bias)  # fmt: skip
     M, H = x.shape
@@ -105,9 +108,14 @@ def grouped_mlp_fwd(
     w1, w2 = operands.weights((fc1_weight, fc2_weight), r, quantized)
     # Before the GEMMs: a kept weight is quantized once with both layouts, its codes read here and
     # dropped on return, its codes_t and scales returned for the backward's dgrad.
-    saved = operands.saved_dgrad((w1, w2), r, keep_dgrad)
+    saved = operands.saved_dgrad((w1, w2), r, keep_dgrad) if not quantized else []
     h = torch.empty((M, N1), dtype=x.dtype, device=x.device)
-    x_op, b1 = operands.act(x, r), w1.forward()
+    # nvfp4: x's amax pass also takes the amax that the backward's dW1 operand of x needs, handed on
+    # as saved's last tensor (one read of x fewer in the backward)
+    keep_x_amax = keep_dgrad is not None and any(keep_dgrad) and operands.takes_routed_amax(r)
+    x_op, b1 = operands.act(x, r, splits if keep_x_amax else None), w1.forward()
+    if keep_x_amax:
+        saved.append(x_op.routed_amax)
     # round(a·p), FC2's input, freed on return; fp32 under a recipe, which quantizes the unrounded z,
     # or (mxfp8 with FC1 on the engine) the values that FC2 reads, written by FC1's epilogue
     z, z_values = operands.fc1_z(x_op, b1, w1, h, fc1_bias, F, cfg)
@@ -154,7 +162,7 @@ def grouped_mlp_bwd(
     cfg,  # MLPConfig
     needs: tuple[bool, bool, bool, bool, bool, bool],  # dx, dprobs, dw1, dw2, db1, db2
     wgrad_dtype: Optional[torch.dtype] = None,  # dW1/dW2 dtype; None = the weights' (fp32 for main_grad)
-    saved: Sequence[Tensor] = (),  # W1's and W2's dgrad operands: grouped_mlp_fwd's saved, or quantize_weights'
+    saved: Sequence[Tensor] = (),  # W1's and W2's dgrad operands (+ nvfp4's x amax): grouped_mlp_fwd's saved
 ) -> tuple[Optional[Tensor], ...]:
     """Returns (dx, dprobs, dfc1_weight, dfc2_weight, dfc1_bias, dfc2_bias); None where not needed.
     A weight without a dgrad operand in ``saved`` (``saved`` empty, or its pair empty) is quantized
@@ -174,6 +182,9 @@ def grouped_mlp_bwd(
     # bias gradients and the bf16 path take them rounded to x.dtype, as the reference.
     inter = x.dtype if r is None else torch.float32
     # the forward's or quantize_weights' dgrad operand where given, else quantized once, for the dgrad only here
+    x_amax = None  # nvfp4: the forward's amax of x's routed rows, saved's last tensor (grouped_mlp_fwd)
+    if operands.takes_routed_amax(r) and len(saved) % 2:
+        *saved, x_amax = saved
     w1, w2 = operands.dgrad_weights((fc1_weight, fc2_weight), r, saved)
     blocks = operands.WgradBlocks(splits, M, r)
 
@@ -221,7 +232,7 @@ def grouped_mlp_bwd(
         dw1, db1 = operands.wgrad(
             g_h, x if need_dw1 else None, splits, r, dtype=x.dtype, dw_dtype=wgrad_dtype or fc1_weight.dtype,
             bias=fc1_bias if need_db1 else None, blocks=blocks, transposed=weight_is_transposed(fc1_weight),
-            g_values=g_values,
+            g_values=g_values, x_amax=x_amax if need_dw1 else None,
         )  # fmt: skip
     if not one_read:
         dw2, db2 = wgrad2(z)

@@ -66,6 +66,7 @@ class ActOperand:
     a: Tensor  # (M, K) e4m3 codes (native) or dequantized bf16 values
     scales: Optional[Tensor] = None  # native: (M, ⌈K/128⌉) fp32
     factor: Optional[Tensor] = None  # nvfp4: 1/S_enc
+    routed_amax: Optional[Tensor] = None  # act(..., splits): the amax of the rows below Σsplits
 
 
 @dataclass
@@ -112,12 +113,26 @@ def fc1_z(x_op: ActOperand, b_op: WeightOperand, weight: Weight, h: Tensor, bias
     return torch.empty((M, F), dtype=h.dtype if r is None else torch.float32, device=h.device), False
 
 
-def act(t: Tensor, recipe) -> ActOperand:
+def takes_routed_amax(recipe) -> bool:
+    """Whether a weight-gradient operand under recipe can take its tensor amax from a forward's pass
+    (``act(t, recipe, splits)``'s ``routed_amax``): nvfp4 without the Hadamard option, whose wgrad
+    amax is that of the rows below Σsplits as they are."""
+    return recipe is not None and recipe.name == "nvfp4" and not recipe.hadamard
+
+
+def act(t: Tensor, recipe, splits: Optional[Tensor] = None) -> ActOperand:
+    """t's operand for a GEMM that reads it along K. With ``splits`` (``takes_routed_amax`` recipes)
+    the amax pass also gives the amax of t's rows below Σsplits, which the backward's weight-gradient
+    operand of the same t takes (``wgrad``'s ``x_amax``) instead of reading t for it again."""
     if recipe is None:
         return ActOperand(t)
     if not is_native(recipe):
-        values, factor = kq.dequantized(t, recipe, axis=-1, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
-        return ActOperand(values, factor=factor)
+        amax = routed = None
+        if splits is not None and takes_routed_amax(recipe):
+            amax, routed = kq.tensor_amaxes(t, splits)
+        values, factor = kq.dequantized(t, recipe, axis=-1, out_dtype=torch.bfloat16, tiny_blocks_exact=False,
+                                        amax=amax)  # fmt: skip
+        return ActOperand(values, factor=factor, routed_amax=routed)
     q = kq.quantize(t, recipe, axis=-1)
     return ActOperand(q.codes, scales=q.scales)
 
@@ -614,6 +629,7 @@ def wgrad(
     blocks: Optional[WgradBlocks] = None,  # shared by the wgrads of one backward; None: computed here
     transposed: bool = False,  # dW stored as a contiguous (E, Q, P), returned as its (E, P, Q) view
     g_values: Optional[tuple[Tensor, Optional[Tensor]]] = None,  # g's dW operand made already (``both``)
+    x_amax: Optional[Tensor] = None,  # takes_routed_amax: x's routed amax from the forward (``act``)
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """(dW, db): dW (E, P, Q) in dw_dtype, dW[e] = g[R_e]ᵀ @ x[R_e] (None without x), db = Σ_{R_e}
     g (· probs) in bias's dtype (None without bias). Without a recipe one launch computes both; under
@@ -624,6 +640,8 @@ def wgrad(
     ``transposed`` (the gradient of a transposed-layout weight, _validate.weight_is_transposed):
     the same launches with the operands' roles swapped, dWᵀ[e] = x[R_e]ᵀ @ g[R_e] into a contiguous
     (E, Q, P) tensor, returned as its transposed view; db then takes a launch of its own."""
+    if x_amax is not None and (x is None or not takes_routed_amax(recipe)):
+        raise ValueError("x_amax: only with x, under nvfp4 without the Hadamard option (operands.takes_routed_amax)")
     if transposed and x is not None:
         if recipe is not None:
             # Under a recipe grouped_mlp copies weights to contiguous ones (the quantizers take them).
@@ -655,7 +673,8 @@ def wgrad(
             else:
                 g_v, g_factor = g_values
             x_v, x_factor = kq.dequantized_wgrad(
-                x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows
+                x, splits, recipe, is_grad=False, out_dtype=torch.bfloat16, tiny_blocks_exact=False, blocks=rows,
+                amax=x_amax,
             )
             factors = (g_factor, x_factor)
     # bf16 values (no recipe, mxfp8's, nvfp4's) take the bf16 path's kernels: the engine with nvfp4's

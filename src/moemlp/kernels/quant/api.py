@@ -82,8 +82,26 @@ def tensor_amax(x: Tensor) -> Tensor:
     block = 4096
     partial = torch.zeros(max(cdiv(n, block), 1), dtype=torch.float32, device=x.device)
     if n:
-        launch(_amax_kernel, (cdiv(n, block),), x.reshape(-1), partial, n, BLOCK=block)
+        launch(_amax_kernel, (cdiv(n, block),), x.reshape(-1), partial, n, partial, partial, 0, 0, 0,
+               BLOCK=block, EB=1, ROUTED=False)  # fmt: skip
     return partial.amax()
+
+
+def tensor_amaxes(x: Tensor, splits: Tensor) -> tuple[Tensor, Tensor]:
+    """(amax of all of x, amax of its rows below Σsplits), fp32 0-d each, NaN ignored, from one read
+    of the (T, K) tensor x. The second is the tensor amax that nvfp4's weight-gradient operand of x
+    takes (``dequantized_wgrad(x, splits, ...)``, without the Hadamard option), the same bits: a
+    forward can hand it to the backward, whose pass over x then skips its amax read (``amax=``).
+    Splits are clamped as ``row_blocks`` clamps them; no host read."""
+    _check_wgrad(x, splits)
+    T, K = x.shape
+    n = x.numel()
+    block = 4096
+    partial, routed = (torch.zeros(max(cdiv(n, block), 1), dtype=torch.float32, device=x.device) for _ in "ar")
+    if n:
+        launch(_amax_kernel, (cdiv(n, block),), x.reshape(-1), partial, n, routed, splits.contiguous(),
+               splits.numel(), T, K, BLOCK=block, EB=max(16, next_power_of_2(splits.numel())), ROUTED=True)  # fmt: skip
+    return partial.amax(), routed.amax()
 
 
 def _vmax(dtype: torch.dtype) -> float:
@@ -277,7 +295,7 @@ def _row_blocks(splits: Tensor, num_rows: int, block: int, device) -> tuple[Tens
 
 def _wgrad_launch(
     t: Tensor, splits: Tensor, recipe, is_grad: bool, out: Tensor | None, transposed: bool = False, blocks=None,
-    rows_out: Tensor | None = None,
+    rows_out: Tensor | None = None, amax: Tensor | None = None,
 ):
     """Both passes of a wgrad operand: nvfp4's amax pass, then the codes and scales (``out`` None) or
     the values written into ``out`` (T, K); with ``rows_out`` (mxfp8, nvfp4 without the Hadamard
@@ -286,7 +304,9 @@ def _wgrad_launch(
     scales, rows, amax, factor, codes_t, rows_factor), the unused ones None (amax: nvfp4's tensor
     amax): factor is nvfp4's 1/S_enc for ``out``, rows_factor for ``rows_out``; codes_t the (K, P)
     transposed codes.
-    ``blocks``: the ``row_blocks`` of these splits, rows and block, computed once by the caller."""
+    ``blocks``: the ``row_blocks`` of these splits, rows and block, computed once by the caller.
+    ``amax``: nvfp4 without the Hadamard option and without ``rows_out``: the amax of t's rows below
+    Σsplits computed already (``tensor_amaxes``' second), which replaces the amax pass."""
     rid = recipe_id(recipe)
     B = recipe.block
     T, K = t.shape
@@ -326,14 +346,17 @@ def _wgrad_launch(
         factor = torch.empty((), dtype=torch.float32, device=t.device)
         if rows_out is not None:
             rows_factor = torch.empty((), dtype=torch.float32, device=t.device)
+    given = amax is not None
+    _check_amax(amax, rid == _NVFP4 and not hadamard and rows_out is None, t.device)
     # nvfp4's tensor amax (0 where nothing is launched); the other recipes' kernels never read it, so
     # t stands in for the pointer rather than a tensor filled on the device every call.
-    amax = torch.zeros((), dtype=torch.float32, device=t.device) if rid == _NVFP4 else t
+    if not given:
+        amax = torch.zeros((), dtype=torch.float32, device=t.device) if rid == _NVFP4 else t
     rows_amax = amax  # nvfp4 with rows_out: the amax of all of t, from the same amax pass
     # With no rows (T = 0) the launch still runs: every block is padding, so it writes code 0 and an
     # empty block's scale, as the reference does (the outputs are never left uninitialized).
     if K > 0 and nb > 0:
-        if rid == _NVFP4:
+        if rid == _NVFP4 and not given:
             partial = torch.empty(grid, dtype=torch.float32, device=t.device)
             rows_partial = partial if rows_out is None else torch.empty(grid, dtype=torch.float32, device=t.device)
             launch(_wgrad_kernel, grid,
@@ -388,6 +411,18 @@ def quantize_wgrad(
         scales = scales.view(torch.float8_e8m0fnu)
     codes = codes.view(torch.float8_e4m3fn)
     return QuantizedTensor.of(recipe, codes, scales, shape, 0, (B,), rows=rows, codes_t=codes_t)
+
+
+def _check_amax(amax: Tensor | None, allowed: bool, device) -> None:
+    """A given tensor amax: only where nvfp4 reads one, and a 0-d fp32 tensor on the operand's device."""
+    if amax is None:
+        return
+    if not allowed:
+        raise ValueError("amax: only nvfp4 (without the Hadamard option, for a weight-gradient operand) takes a "
+                         "tensor amax computed already")  # fmt: skip
+    if not isinstance(amax, Tensor) or amax.shape != () or amax.dtype != torch.float32 or amax.device != device:
+        got = f"{tuple(amax.shape)} {amax.dtype} on {amax.device}" if isinstance(amax, Tensor) else type(amax).__name__
+        raise ValueError(f"amax: expected a 0-d float32 tensor on {device}, got {got}")
 
 
 def _check_wgrad(t: Tensor, splits: Tensor) -> None:
@@ -471,7 +506,8 @@ def _factor(rid: int, device) -> Tensor | None:
 
 
 def dequantized(
-    x: Tensor, recipe, axis: int = -1, out_dtype: torch.dtype = torch.bfloat16, tiny_blocks_exact: bool = True
+    x: Tensor, recipe, axis: int = -1, out_dtype: torch.dtype = torch.bfloat16, tiny_blocks_exact: bool = True,
+    amax: Tensor | None = None,
 ):
     """(values, factor): x quantized with 1-D blocks along ``axis`` (-1 or -2) and dequantized to
     code·block_scale in ``out_dtype``, x's shape; ``factor`` the 0-d fp32 1/S_enc (nvfp4) or None.
@@ -482,15 +518,22 @@ def dequantized(
     fp8_block: exact for every block whose amax is above 1.75·2^-117 (≈1.05e-35); in a block at or
     below it, values finer than bf16's smallest subnormal round to its 2^-133 grid (absolute error
     ≤ 2^-134). The Triton grouped MLP takes that for z and g_h (fp32 epilogue outputs) rather than
-    run its emulated GEMMs on fp32 operands."""
+    run its emulated GEMMs on fp32 operands.
+
+    ``amax``: nvfp4 only, x's tensor amax computed already (``tensor_amaxes``' first), which
+    replaces the amax pass."""
     _check(x, "x")
     rowwise = _block_axis(x, axis)
     rid = recipe_id(recipe)
     _check_out_dtype(recipe, x.dtype, out_dtype, tiny_blocks_exact)
+    _check_amax(amax, rid == _NVFP4, x.device)
     M, K = x.shape[-2:]
     values = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     factor = _factor(rid, x.device)
-    amax = tensor_amax(x) if rid == _NVFP4 else x  # x: a placeholder, read by nvfp4 only
+    if rid == _NVFP4 and amax is None:
+        amax = tensor_amax(x)
+    elif rid != _NVFP4:
+        amax = x  # a placeholder, read by nvfp4 only
     grid, bm, bk, nblk, warps = _block_grid(x, rid, recipe.block, rowwise)
     if x.numel():
         launch(_quantize_kernel, grid,
@@ -528,16 +571,19 @@ def dequantized_wgrad(
     out_dtype: torch.dtype = torch.bfloat16,
     tiny_blocks_exact: bool = True,
     blocks: RowBlocks | None = None,
+    amax: Tensor | None = None,
 ):
     """(values, factor) of a (T, K) weight-gradient operand: blocks along rows restarting at each
     expert's first row (nvfp4: Hadamard rotation and, for ``is_grad``, stochastic rounding as the
     recipe says), dequantized back into t's row layout; rows past Σsplits are 0. Matches the
     corresponding operand of ``recipe.qdq_wgrad(grad, act, splits)`` (grad: is_grad=True).
-    ``tiny_blocks_exact``: as in ``dequantized``; ``blocks``: as in ``quantize_wgrad``."""
+    ``tiny_blocks_exact``: as in ``dequantized``; ``blocks``: as in ``quantize_wgrad``; ``amax``:
+    nvfp4 without the Hadamard option, ``tensor_amaxes(t, splits)[1]`` computed already (by a
+    forward), which replaces this pass's amax read of t."""
     _check_wgrad(t, splits)
     _check_out_dtype(recipe, t.dtype, out_dtype, tiny_blocks_exact)
     values = torch.empty(t.shape, dtype=out_dtype, device=t.device)
-    _, _, _, _, factor, _, _ = _wgrad_launch(t, splits, recipe, is_grad, values, blocks=blocks)
+    _, _, _, _, factor, _, _ = _wgrad_launch(t, splits, recipe, is_grad, values, blocks=blocks, amax=amax)
     return values, factor
 
 

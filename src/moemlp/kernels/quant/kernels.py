@@ -335,15 +335,29 @@ def _row_blocks_kernel(
 
 @triton.jit
 def _amax_kernel(
-    x_ptr,  # (N,) any float dtype, contiguous
+    x_ptr,  # (N,) any float dtype, contiguous: a (T, K) tensor's elements
     partial_ptr,  # (cdiv(N, BLOCK),) fp32: per-program NaN-ignoring amax; reduced by the launcher
     N,
+    routed_ptr,  # ROUTED: (cdiv(N, BLOCK),) fp32, the same over the rows below Σsplits
+    splits_ptr,  # ROUTED: (E,) int32 / int64 rows per expert
+    E,
+    T,
+    K,
     BLOCK: tl.constexpr,
+    EB: tl.constexpr,  # ROUTED: E rounded up to a power of two
+    ROUTED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
-    tl.store(partial_ptr + pid, tl.max(abs_or_zero(x), axis=0))
+    a = abs_or_zero(tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32))
+    tl.store(partial_ptr + pid, tl.max(a, axis=0))
+    if ROUTED:
+        # the rows a weight-gradient operand takes, with splits clamped as _row_blocks_kernel clamps
+        # them (negative -> 0, the running sum truncated at T)
+        j = tl.arange(0, EB)
+        s = tl.load(splits_ptr + j, mask=j < E, other=0).to(tl.int64)
+        rows = tl.minimum(tl.sum(tl.minimum(tl.maximum(s, 0), T), 0), T)
+        tl.store(routed_ptr + pid, tl.max(tl.where(offs < rows * K, a, 0.0), axis=0))
 
 
 @triton.jit
