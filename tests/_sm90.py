@@ -228,3 +228,37 @@ def check_acc_scale(off: tuple[str, str], on: tuple[str, str], elements: int, fu
 
     assert usage(usage_on, "LOCAL") <= usage(usage_off, "LOCAL"), (usage_on, usage_off)
     assert usage(usage_on, "REG") <= 168, usage_on
+
+
+def bound_gluon_launch(monkeypatch, call) -> tuple[object, dict, dict]:
+    """Runs ``call()`` (a launcher of kernels/gluon/_launch.py, on CPU tensors) with the launch caught
+    before any device work; returns (the kernel, its positional arguments bound to the kernel's
+    parameter names, the keywords). The launchers pass arguments by position (``_launcher.launch``),
+    which an offline compile (its signature is by name) never checks. Asserts that the positional
+    arguments and the constexpr keywords fill the signature exactly."""
+    import contextlib
+
+    import torch
+
+    from moemlp.kernels.gluon import _compat, _launch
+
+    seen = {}
+
+    class Desc:  # a TMA descriptor: the tensor it was made from
+        @staticmethod
+        def from_tensor(t, block, layout):
+            return ("desc", t)
+
+    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, *args, **kw: seen.update(k=kernel, a=args, kw=kw))
+    monkeypatch.setattr(_launch, "bind_context", lambda device: None)
+    monkeypatch.setattr(_launch, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(_launch, "_index", lambda device: 0)
+    monkeypatch.setattr(_compat, "TensorDescriptor", Desc)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    call()
+    kernel, args, kw = seen["k"], seen["a"], seen["kw"]
+    names = list(kernel.arg_names)
+    constexprs = set(kw) - {"num_warps", "maxnreg"}
+    assert len(args) + len(constexprs) == len(names), (len(args), sorted(constexprs), names)
+    assert set(names[len(args):]) == constexprs, "the keywords are not the signature's trailing constexprs"
+    return kernel, dict(zip(names, args)), kw

@@ -254,6 +254,36 @@ def test_scales_are_checked(scales, words):
             w1_scale=scales[1])  # fmt: skip
 
 
+@needs_gluon
+@pytest.mark.parametrize("optional", [False, True], ids=["bare", "bias-probs-z-acc-scale"])
+def test_launch_binds_each_tensor_to_its_parameter(monkeypatch, optional):
+    """The launcher's positional arguments, bound on the CPU to the kernel's parameter names
+    (``_sm90.bound_gluon_launch``): each tensor lands on the parameter of its name."""
+    from _sm90 import bound_gluon_launch
+    from moemlp.kernels.gluon import fc1
+    from moemlp.kernels.gluon._fc1 import fc1_kernel
+
+    M, H, F = 256, 128, 128
+    x, w1 = torch.zeros(M, H, dtype=torch.bfloat16), torch.zeros(2, 2 * F, H, dtype=torch.bfloat16)
+    h = torch.zeros(M, 2 * F, dtype=torch.bfloat16)
+    z = torch.zeros(M, F, dtype=torch.bfloat16) if optional else None
+    bias = torch.zeros(2, 2 * F, dtype=torch.bfloat16) if optional else None
+    probs = torch.zeros(M) if optional else None
+    acc_scale = torch.tensor(2.0) if optional else None
+    splits = torch.tensor([M // 2, M // 2], dtype=torch.int32)
+    kernel, bound, kw = bound_gluon_launch(monkeypatch, lambda: fc1(
+        x, w1, splits, h, z=z, bias=bias, probs=probs, glu_interleave=F, activation_id=0, params=(0.5, 0.25, 0.125),
+        acc_scale=acc_scale))  # fmt: skip
+    assert kernel is fc1_kernel
+    assert bound["a_desc"] == ("desc", x) and bound["h_ptr"] is h and bound["splits_ptr"] is splits
+    assert bound["acc_scale_ptr"] is acc_scale and kw["ACC_SCALE"] is optional
+    assert (kw["HAS_BIAS"], kw["HAS_PROBS"], kw["STORE_Z"]) == (optional,) * 3
+    if optional:
+        assert bound["z_ptr"] is z and bound["bias_ptr"] is bias and bound["probs_ptr"] is probs
+    assert (bound["E"], bound["M"], bound["N"], bound["K"], bound["N1"]) == (2, M, F, H, 2 * F)
+    assert (bound["p0"], bound["p1"], bound["p2"]) == (0.5, 0.25, 0.125)
+
+
 # (splits, M, H, F, G, activation, params, bias, probs dtype, z dtype): one comment each
 GPU_CASES = [
     pytest.param([700, 0, 512, 1300, 33, 900, 400, 251], 4163, 1024, 1408, None, "swiglu", (), False, torch.float32,

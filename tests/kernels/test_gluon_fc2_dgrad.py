@@ -422,6 +422,36 @@ def test_gpu_acc_scale_matches_the_triton_kernel(splits_list, M, H, F, activatio
     assert err <= 1e-6, err
 
 
+@needs_gluon
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("with_scale", [False, True], ids=["", "acc-scale"])
+def test_launch_binds_each_tensor_to_its_parameter(monkeypatch, out_dtype, with_scale):
+    """The launcher's positional arguments, bound on the CPU to the kernel's parameter names
+    (``_sm90.bound_gluon_launch``): each tensor lands on the parameter of its name."""
+    from _sm90 import bound_gluon_launch
+    from moemlp.kernels.gluon import fc2_dgrad
+    from moemlp.kernels.gluon._fc2_dgrad import fc2_dgrad_kernel
+
+    M, H, F = 256, 128, 128
+    dy, w2 = torch.zeros(M, H, dtype=torch.bfloat16), torch.zeros(2, H, F, dtype=torch.bfloat16)
+    h = torch.zeros(M, 2 * F, dtype=torch.bfloat16)
+    g_h, z, probs = torch.zeros(M, 2 * F, dtype=out_dtype), torch.zeros(M, F, dtype=out_dtype), torch.zeros(M)
+    acc_scale = torch.tensor(2.0) if with_scale else None
+    splits = torch.tensor([M // 2, M // 2], dtype=torch.int32)
+    part = []
+    kernel, bound, kw = bound_gluon_launch(monkeypatch, lambda: part.append(fc2_dgrad(
+        dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True, glu_interleave=F, activation_id=0,
+        params=(0.5, 0.25, 0.125), cooperative=False, register_epilogue=False, epilogue_warpgroup=False,
+        acc_scale=acc_scale)))  # fmt: skip
+    assert kernel is fc2_dgrad_kernel
+    assert bound["a_desc"] == ("desc", dy) and bound["h_ptr"] is h and bound["gh_ptr"] is g_h
+    assert bound["z_ptr"] is z and bound["probs_ptr"] is probs and bound["part_ptr"] is part[0]
+    assert bound["splits_ptr"] is splits
+    assert bound["acc_scale_ptr"] is acc_scale and kw["ACC_SCALE"] is with_scale
+    assert (bound["E"], bound["M"], bound["N"], bound["K"], bound["N1"]) == (2, M, F, H, 2 * F)
+    assert (bound["p0"], bound["p1"], bound["p2"]) == (0.5, 0.25, 0.125)
+
+
 @pytest.mark.parametrize("name", ["cooperative", "register_epilogue", "epilogue_warpgroup"])
 @pytest.mark.parametrize("value", [1, "yes"])
 def test_tile_and_epilogue_choices_are_checked(name, value):
