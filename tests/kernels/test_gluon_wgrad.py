@@ -330,3 +330,26 @@ def test_bf16_gpu_other_experts_rows_do_not_reach_a_masked_step():
     exact = g[:100].double().T @ x[:100].double()
     assert torch.isfinite(dw[0]).all()
     assert ((dw[0].double() - exact).abs() <= exact.abs() * 2.0**-7 + 1e-2).all()
+
+
+@needs_gluon
+@pytest.mark.parametrize("with_scale", [False, True], ids=["bf16", "acc-scale"])
+def test_launch_binds_each_tensor_to_its_parameter(monkeypatch, with_scale):
+    """The bf16 wgrad launcher's positional arguments, bound on the CPU to the kernel's parameter names
+    (``_sm90.bound_gluon_launch``; ``wgrad_supports``, which asks for CUDA tensors, passed)."""
+    from _sm90 import bound_gluon_launch
+    from moemlp.kernels.gluon._wgrad import wgrad_kernel
+
+    monkeypatch.setattr(_launch, "wgrad_supports", lambda *args: "")
+    T, N, K = 256, 256, 128
+    g, x = torch.zeros(T, N, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.bfloat16)
+    splits = torch.tensor([T // 2, T // 2], dtype=torch.int32)
+    acc_scale = torch.tensor(2.0) if with_scale else None
+    dw = []
+    kernel, bound, kw = bound_gluon_launch(monkeypatch, lambda: dw.append(_launch.wgrad(g, x, splits,
+                                                                                     acc_scale=acc_scale)))
+    assert kernel is wgrad_kernel
+    assert bound["g_desc"][1] is g and bound["x_desc"][1] is x and bound["splits_ptr"] is splits
+    assert bound["c_ptr"].data_ptr() == dw[0].data_ptr() and bound["c_desc"][1].data_ptr() == dw[0].data_ptr()
+    assert bound["acc_scale_ptr"] is acc_scale and kw["ACC_SCALE"] is with_scale
+    assert (bound["E"], bound["T"], bound["N"], bound["K"]) == (2, T, N, K)
