@@ -34,7 +34,7 @@ from moemlp.bench.kernels import SHAPES, bench
 from moemlp.kernels.quant import api as kq
 from moemlp.recipes import from_key, recipe
 
-TILES = {128: [(128, 8), (64, 8), (64, 4), (32, 4), (128, 16), (256, 16), (32, 8)],
+TILES = {128: [(128, 8), (64, 8), (64, 4), (32, 4), (128, 16), (256, 16), (32, 8), (64, 2), (128, 4)],
          32: [(128, 4), (64, 4), (256, 4), (128, 8), (256, 8), (64, 2)],
          16: [(128, 2), (128, 8), (64, 1), (256, 4), (128, 4)]}  # fmt: skip
 
