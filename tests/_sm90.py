@@ -255,6 +255,7 @@ def bound_gluon_launch(monkeypatch, call) -> tuple[object, dict, dict]:
     monkeypatch.setattr(_launch, "_index", lambda device: 0)
     monkeypatch.setattr(_compat, "TensorDescriptor", Desc)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     call()
     kernel, args, kw = seen["k"], seen["a"], seen["kw"]
     names = list(kernel.arg_names)

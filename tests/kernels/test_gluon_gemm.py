@@ -425,3 +425,31 @@ def test_grouped_gemm_gpu_acc_scale_matches_the_triton_kernel(splits_list, M, N,
     assert torch.equal(out[routed:], torch.zeros_like(out[routed:]))
     unscaled = grouped_gemm(a, operand, splits, b_layout=b_layout, cooperative=cooperative)
     assert not torch.equal(out[:routed], unscaled[:routed]), "the factor was not applied"
+
+
+@needs_gluon
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+@pytest.mark.parametrize("with_scale", [False, True], ids=["bf16", "acc-scale"])
+def test_launch_binds_each_tensor_to_its_parameter(monkeypatch, b_layout, with_scale):
+    """The plain GEMM launcher's positional arguments, bound on the CPU to the kernel's parameter names
+    (``_sm90.bound_gluon_launch``; the checks that ask for a CUDA device passed)."""
+    from _sm90 import bound_gluon_launch
+    from moemlp.kernels.gluon import _launch
+    from moemlp.kernels.gluon._engine import grouped_gemm_kernel
+
+    monkeypatch.setattr(_launch, "_check", lambda *args: None)
+    monkeypatch.setattr(_launch, "why_unavailable", lambda device: "")
+    M, N, K = 256, 384, 128
+    a = torch.zeros(M, K, dtype=torch.bfloat16)
+    b = torch.zeros((2, N, K) if b_layout == "nk" else (2, K, N), dtype=torch.bfloat16)
+    out = torch.zeros(M, N, dtype=torch.bfloat16)
+    acc_scale = torch.tensor(2.0) if with_scale else None
+    splits = torch.tensor([M // 2, M // 2], dtype=torch.int32)
+    kernel, bound, kw = bound_gluon_launch(monkeypatch, lambda: _launch.grouped_gemm(
+        a, b, splits, out, b_layout=b_layout, acc_scale=acc_scale))  # fmt: skip
+    assert kernel is grouped_gemm_kernel
+    assert bound["a_desc"] == ("desc", a) and bound["c_desc"] == ("desc", out) and bound["c_ptr"] is out
+    assert bound["b_desc"][1].data_ptr() == b.data_ptr() and kw["B_KMAJOR"] is (b_layout == "nk")
+    assert bound["acc_scale_ptr"] is acc_scale and kw["ACC_SCALE"] is with_scale
+    assert bound["splits_ptr"] is splits
+    assert (bound["E"], bound["M"], bound["N"], bound["K"]) == (2, M, N, K)
