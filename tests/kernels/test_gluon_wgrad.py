@@ -353,3 +353,26 @@ def test_launch_binds_each_tensor_to_its_parameter(monkeypatch, with_scale):
     assert bound["c_ptr"].data_ptr() == dw[0].data_ptr() and bound["c_desc"][1].data_ptr() == dw[0].data_ptr()
     assert bound["acc_scale_ptr"] is acc_scale and kw["ACC_SCALE"] is with_scale
     assert (bound["E"], bound["T"], bound["N"], bound["K"]) == (2, T, N, K)
+
+
+@needs_gluon
+def test_fp8_launch_binds_each_tensor_to_its_parameter(monkeypatch):
+    """fp8_block's wgrad launcher: its positional arguments, bound on the CPU to the kernel's parameter
+    names (``_sm90.bound_gluon_launch``), each operand and its scales on their own parameters."""
+    from _sm90 import bound_gluon_launch
+    from moemlp.kernels.gluon._wgrad import fp8_wgrad_kernel
+
+    T, N, K, E = 200, 256, 384, 2
+    P = (-(-T // 128) + E) * 128
+    fp8 = torch.float8_e4m3fn
+    g_t, x_t = torch.zeros(N, P).to(fp8), torch.zeros(K, P).to(fp8)
+    g_scales, x_scales = torch.ones(P // 128, N), torch.ones(P // 128, K)
+    splits = torch.tensor([120, 80], dtype=torch.int32)
+    dw = []
+    kernel, bound, kw = bound_gluon_launch(monkeypatch, lambda: dw.append(_launch.fp8_wgrad(
+        g_t, g_scales, x_t, x_scales, splits, T)))  # fmt: skip
+    assert kernel is fp8_wgrad_kernel
+    assert bound["g_desc"][1] is g_t and bound["x_desc"][1] is x_t
+    assert bound["gs_desc"][1] is g_scales and bound["xs_desc"][1] is x_scales
+    assert bound["c_ptr"].data_ptr() == dw[0].data_ptr() and bound["splits_ptr"] is splits
+    assert (bound["E"], bound["T"], bound["N"], bound["K"]) == (E, T, N, K)
