@@ -461,7 +461,7 @@ def test_fp8_block_scale_divisions_have_no_slow_path_call():
     import re
 
     import _sm90
-    from moemlp.kernels.quant import formats, kernels
+    from moemlp.kernels.quant import api, formats, kernels
 
     if not getattr(formats.HW_E4M3, "value", formats.HW_E4M3):
         pytest.skip("the interpreter's division")
@@ -475,6 +475,15 @@ def test_fp8_block_scale_divisions_have_no_slow_path_call():
         ptx, sass, usage = _sm90.compile_sm90(kernel, const, {k: v for k, v in ptrs.items() if k in names}, None, 4, 1)
         assert "div.rn.f32" not in ptx and "CALL.REL" not in sass
         assert int(re.search(r"REG:(\d+)", usage).group(1)) <= 72
+    # the default tile (api.WGRAD_TILE[128]), wider: no slow-path call, no spill, and few enough registers
+    # that four CTAs of its warps share an SM (65536 / (128 * warps * 32))
+    bk, warps = api.WGRAD_TILE[128]
+    names = set(kernels._wgrad_kernel.arg_names)
+    ptx, sass, usage = _sm90.compile_sm90(kernels._wgrad_kernel, {**wgrad, "BK": bk},
+                                          {k: v for k, v in ptrs.items() if k in names}, None, warps, 1)
+    assert "div.rn.f32" not in ptx and "CALL.REL" not in sass
+    assert not re.search(r"\b(STL|LDL)\b", sass), "registers spill to local memory"
+    assert int(re.search(r"REG:(\d+)", usage).group(1)) * warps * 32 * 4 <= 65536, usage
 
 
 @pytest.mark.gpu

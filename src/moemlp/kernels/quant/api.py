@@ -123,14 +123,14 @@ ROW_TILE = (32, 128, 4)
 # _wgrad_kernel: rows per block -> (columns per program, warps), the fastest tiles of
 # benchmarks/bench_wgrad_quantizer.py, which checks that every tile gives the same bits (the
 # measurements: docs/DECISIONS.md, "Quantizer tiles" and "nvfp4's wgrad operand quantizer"):
-# fp8_block's 128-row blocks 32 columns at 4 warps: narrow tiles keep few registers, so several CTAs
-# an SM keep more loads in flight than one 128 × 8 CTA (since formats.div_448 / rcp_rn lowered the
-# registers of every tile, the ranking may have moved: the bench re-sweeps it);
+# fp8_block's 128-row blocks 64 columns at 4 warps: once formats.div_448 / rcp_rn took the slow-path
+# division out, it fits in under 100 registers, four CTAs an SM, and each thread keeps twice 32 × 4's
+# bytes in flight (the narrow tile had won while the division held every tile above 120 registers);
 # mxfp8's 32-row blocks 64 columns at 2 warps;
 # nvfp4's 16-row blocks 64 columns at 1 warp: a block's scale (two IEEE divisions, the e4m3 code) is
 # computed by every thread that holds one of its rows, 16 of them at 128 × 8 (once an element), 4 at
 # 64 × 1, which halves the values pass's instructions. Settable for that bench.
-WGRAD_TILE = {128: (32, 4), 32: (64, 2), 16: (64, 1)}
+WGRAD_TILE = {128: (64, 4), 32: (64, 2), 16: (64, 1)}
 COL_TILE = (64, 4)
 
 
