@@ -9,14 +9,20 @@
 # suite: every test, as the README runs them (-n 8; 4 to over 7 minutes on a cold host, most of it
 # kernel compiles, so it leaves no room for another part in the same call); gluon: the Gluon
 # engine's tests alone.
+# `bash benchmarks/gpu_sweep.sh tree` (at the repository root) prints only the hash of the sources that env.txt names,
+# to tell which checkout a device's copied working tree was (its .git may name another commit).
 set -uo pipefail
+tree=$(find src tests benchmarks -type f \( -name '*.py' -o -name '*.sh' \) -not -path '*/__pycache__/*' \
+  | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12)
+if [[ ${1:-} == tree ]]; then echo "$tree"; exit 0; fi
 OUT=${OUT:-/tmp/moemlp-out}
 WHAT=,${1:-suite,partsfp8,recipes},
 DEADLINE=${DEADLINE:-590}
 SHAPES=${SHAPES:---shape mixtral-8x7b --shape deepseek-v3-ep8}
 mkdir -p "$OUT"
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
-{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
+{ date -u; echo "source tree $tree";
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } \
   2>&1 | tee "$OUT/env.txt"
 

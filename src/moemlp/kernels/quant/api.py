@@ -75,16 +75,30 @@ def _check(x: Tensor, name: str) -> None:
         raise ValueError(f"{name}: expected a contiguous tensor")
 
 
+_AMAX_BLOCK = 4096  # elements a program of _amax_kernel
+
+
+def _amax_partials(x: Tensor, splits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """_amax_kernel's per-program fp32 partial amaxes of x (NaN ignored), from one read: (all of x,
+    the rows below Σsplits), the second the first's own buffer without ``splits``. Zeros where x is
+    empty, so the launchers' torch.amax of them is 0; no host read."""
+    n = x.numel()
+    partial = torch.zeros(max(cdiv(n, _AMAX_BLOCK), 1), dtype=torch.float32, device=x.device)
+    if splits is None:  # the routed slots unread (ROUTED off)
+        routed, rows_args, eb = partial, (partial, 0, 0, 0), 1
+    else:
+        routed = torch.zeros_like(partial)
+        rows_args, eb = (splits.contiguous(), splits.numel(), *x.shape), max(16, next_power_of_2(splits.numel()))
+    if n:
+        launch(_amax_kernel, (cdiv(n, _AMAX_BLOCK),), x.reshape(-1), partial, n, routed, *rows_args,
+               BLOCK=_AMAX_BLOCK, EB=eb, ROUTED=splits is not None)  # fmt: skip
+    return partial, routed
+
+
 def tensor_amax(x: Tensor) -> Tensor:
     """fp32 0-d NaN-ignoring amax of all of x (two passes: per-program partials, then torch.amax,
     a fixed-order reduction; no host read)."""
-    n = x.numel()
-    block = 4096
-    partial = torch.zeros(max(cdiv(n, block), 1), dtype=torch.float32, device=x.device)
-    if n:
-        launch(_amax_kernel, (cdiv(n, block),), x.reshape(-1), partial, n, partial, partial, 0, 0, 0,
-               BLOCK=block, EB=1, ROUTED=False)  # fmt: skip
-    return partial.amax()
+    return _amax_partials(x)[0].amax()
 
 
 def tensor_amaxes(x: Tensor, splits: Tensor) -> tuple[Tensor, Tensor]:
@@ -94,13 +108,7 @@ def tensor_amaxes(x: Tensor, splits: Tensor) -> tuple[Tensor, Tensor]:
     forward can hand it to the backward, whose pass over x then skips its amax read (``amax=``).
     Splits are clamped as ``row_blocks`` clamps them; no host read."""
     _check_wgrad(x, splits)
-    T, K = x.shape
-    n = x.numel()
-    block = 4096
-    partial, routed = (torch.zeros(max(cdiv(n, block), 1), dtype=torch.float32, device=x.device) for _ in "ar")
-    if n:
-        launch(_amax_kernel, (cdiv(n, block),), x.reshape(-1), partial, n, routed, splits.contiguous(),
-               splits.numel(), T, K, BLOCK=block, EB=max(16, next_power_of_2(splits.numel())), ROUTED=True)  # fmt: skip
+    partial, routed = _amax_partials(x, splits)
     return partial.amax(), routed.amax()
 
 
