@@ -29,8 +29,8 @@ COL_TILES = [(64, 4), (128, 4), (128, 8), (256, 8), (32, 4)]
 
 
 def parts_of(shape: str, key: str) -> dict:
-    """{part name: (axis kind, fn(recipe) -> the tensors whose bits are compared, input, bytes written
-    per element)} of one shape and recipe."""
+    """{part name: (axis kind, fn(recipe) -> a tuple of the tensors whose bits are compared, input,
+    bytes written per element)} of one shape and recipe."""
     H, F, E, top_k, tokens = SHAPES[shape]
     M = tokens * top_k
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -47,13 +47,17 @@ def parts_of(shape: str, key: str) -> dict:
                 "quantize(z fp32, -1)": ("row", codes(z), z, 1), "quantize(g_h fp32, -1)": ("row", codes(g_h), g_h, 1)}  # fmt: skip
     w1 = (torch.randn(E, 2 * F, H, device="cuda", generator=g) * H**-0.5).bfloat16()
     w2 = (torch.randn(E, H, F, device="cuda", generator=g) * F**-0.5).bfloat16()
+
+    def values(f):  # the dequantize passes' bf16 values (their factor is a scalar)
+        return lambda r: (f(r)[0],)
+
     return {
-        "dequantized(x, -1)": ("row", lambda r: kq.dequantized(x, r, -1, tiny_blocks_exact=False), x, 2),
-        "dequantized(z fp32, -1)": ("row", lambda r: kq.dequantized(z, r, -1, tiny_blocks_exact=False), z, 2),
-        "dequantized_weight(w1, -1)": ("row", lambda r: kq.dequantized_weight(w1, r, -1), w1, 2),
-        "dequantized_weight(w2, -1)": ("row", lambda r: kq.dequantized_weight(w2, r, -1), w2, 2),
-        "dequantized_weight(w1, -2)": ("col", lambda r: kq.dequantized_weight(w1, r, -2), w1, 2),
-        "dequantized_weight(w2, -2)": ("col", lambda r: kq.dequantized_weight(w2, r, -2), w2, 2),
+        "dequantized(x, -1)": ("row", values(lambda r: kq.dequantized(x, r, -1, tiny_blocks_exact=False)), x, 2),
+        "dequantized(z fp32, -1)": ("row", values(lambda r: kq.dequantized(z, r, -1, tiny_blocks_exact=False)), z, 2),
+        "dequantized_weight(w1, -1)": ("row", values(lambda r: kq.dequantized_weight(w1, r, -1)), w1, 2),
+        "dequantized_weight(w2, -1)": ("row", values(lambda r: kq.dequantized_weight(w2, r, -1)), w2, 2),
+        "dequantized_weight(w1, -2)": ("col", values(lambda r: kq.dequantized_weight(w1, r, -2)), w1, 2),
+        "dequantized_weight(w2, -2)": ("col", values(lambda r: kq.dequantized_weight(w2, r, -2)), w2, 2),
     }
 
 
@@ -82,7 +86,7 @@ def main():
             r = recipe(key)
             for name, (kind, fn, t, out_bytes) in parts_of(shape, key).items():
                 kq.ROW_TILE, kq.COL_TILE = default_row, default_col
-                ref = fn(r) if key == "fp8_block" else (fn(r)[0],)  # fp8_block: codes and scales; else the values
+                ref = fn(r)
                 for tile in ROW_TILES if kind == "row" else COL_TILES:
                     if kind == "row":
                         kq.ROW_TILE = tile
@@ -90,8 +94,7 @@ def main():
                         kq.COL_TILE = tile
                     ident = (shape, key, kind, tile)
                     try:
-                        got = fn(r)
-                        same = same_bits(got if key == "fp8_block" else (got[0],), ref)
+                        same = same_bits(fn(r), ref)
                         ms = bench(lambda: fn(r))
                     except Exception as exc:  # a tile that does not compile or launch: say so, go on
                         print(f"{shape:16s} {name:28s} {key:9s} {str(tile):14s} failed: {type(exc).__name__}: "
