@@ -4,7 +4,7 @@ before it is timed: mxfp8 / nvfp4's dequantize passes (activations and weights),
 rowwise codes of a step's four activation operands (x and dy in bf16, z and g_h in fp32).
 
     PYTHONPATH=src python3 benchmarks/bench_quantizer_tiles.py [--shapes mixtral-8x7b,...]
-        [--recipes fp8_block,mxfp8,nvfp4]
+        [--recipes fp8_block,mxfp8,nvfp4] [--axes row,col]
 
 Rows: shape, part, recipe, tile, ms (do_bench median), GB/s (one read of the input + what it writes:
 bf16 values, or fp8_block's one-byte codes; nvfp4's amax pass is inside the time, not the bytes),
@@ -69,8 +69,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="mixtral-8x7b")
     p.add_argument("--recipes", default="fp8_block,mxfp8,nvfp4")
+    p.add_argument("--axes", default="row,col", help="the parts swept: rowwise (ROW_TILE), columnwise (COL_TILE)")
     args = p.parse_args()
-    shapes, keys = args.shapes.split(","), args.recipes.split(",")
+    shapes, keys, axes = args.shapes.split(","), args.recipes.split(","), args.axes.split(",")
+    for axis in axes:
+        if axis not in ("row", "col"):
+            p.error(f"--axes: expected row or col, got {axis!r}")
     for name in shapes:
         if name not in SHAPES:
             p.error(f"--shapes: unknown shape {name!r}; known: {', '.join(SHAPES)}")
@@ -85,6 +89,8 @@ def main():
         for key in keys:
             r = recipe(key)
             for name, (kind, fn, t, out_bytes) in parts_of(shape, key).items():
+                if kind not in axes:
+                    continue
                 kq.ROW_TILE, kq.COL_TILE = default_row, default_col
                 ref = fn(r)
                 for tile in ROW_TILES if kind == "row" else COL_TILES:
