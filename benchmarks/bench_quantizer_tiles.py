@@ -1,4 +1,4 @@
-"""Tile sweep of the 1-D block quantizer (kernels/quant/ ROW_TILE / COL_TILE) on ANCHORS.md
+"""Tile sweep of the 1-D block quantizer (kernels/quant/ ROW_TILE / COL_TILE[block]) on ANCHORS.md
 shapes, each result checked bit for bit against the current default tile's (the GPU-tested one)
 before it is timed: mxfp8 / nvfp4's dequantize passes (activations and weights), and fp8_block's
 rowwise codes of a step's four activation operands (x and dy in bf16, z and g_h in fp32).
@@ -81,7 +81,7 @@ def main():
     for key in keys:
         if key not in ("fp8_block", "mxfp8", "nvfp4"):
             p.error(f"--recipes: expected fp8_block, mxfp8 or nvfp4, got {key!r}")
-    default_row, default_col = kq.ROW_TILE, kq.COL_TILE
+    default_row, default_col = kq.ROW_TILE, dict(kq.COL_TILE)
     totals = defaultdict(float)
     failed = set()
     print(f"{'shape':16s} {'part':28s} {'recipe':9s} {'tile':14s} {'ms':>8s} {'GB/s':>7s}  bits")
@@ -91,13 +91,13 @@ def main():
             for name, (kind, fn, t, out_bytes) in parts_of(shape, key).items():
                 if kind not in axes:
                     continue
-                kq.ROW_TILE, kq.COL_TILE = default_row, default_col
+                kq.ROW_TILE, kq.COL_TILE = default_row, dict(default_col)
                 ref = fn(r)
                 for tile in ROW_TILES if kind == "row" else COL_TILES:
                     if kind == "row":
                         kq.ROW_TILE = tile
                     else:
-                        kq.COL_TILE = tile
+                        kq.COL_TILE[r.block] = tile
                     ident = (shape, key, kind, tile)
                     try:
                         same = same_bits(fn(r), ref)
@@ -113,7 +113,7 @@ def main():
                     if not same:
                         failed.add(ident)
                     totals[ident] += ms
-                kq.ROW_TILE, kq.COL_TILE = default_row, default_col
+                kq.ROW_TILE, kq.COL_TILE = default_row, dict(default_col)
     print("\nsummed ms per shape, recipe and axis (tiles that failed or differed left out), best first")
     for shape in shapes:
         for key in keys:

@@ -454,6 +454,26 @@ def test_e4m3_rounding_on_hopper_is_the_hardware_conversion_but_for_nvfp4(rid, u
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == uses_hw
 
 
+@pytest.mark.parametrize("rid", [1, 2], ids=["mxfp8", "nvfp4"])
+def test_columnwise_dequantize_tile_keeps_its_values_in_registers(rid):
+    # Offline sm_90 compile (no GPU): the columnwise dequantize pass (the weights' dgrad operands of
+    # an emulated step) at its recipe's tile, api.COL_TILE[block], with no spill to local memory.
+    import re
+
+    import _sm90
+    from moemlp.kernels.quant import api, formats, kernels
+
+    if not getattr(formats.HW_E4M3, "value", formats.HW_E4M3):
+        pytest.skip("the interpreter's integer path")
+    block = (128, 32, 16)[rid]
+    bk, warps = api.COL_TILE[block]
+    const = dict(RECIPE=rid, AXIS=0, BM=block // 2 if rid == 2 else block, BK=bk, NB=1, POW2=True, VMAX=3.0e38,
+                 DEQUANT=True, STORE_T=False)  # fmt: skip
+    ptr = {"x_ptr": "*bf16", "codes_ptr": "*bf16", "scales_ptr": "*fp32", "amax_ptr": "*fp32", "codes_t_ptr": "*bf16"}
+    _, sass, usage = _sm90.compile_sm90(kernels._quantize_kernel, const, ptr, None, warps, 1)
+    assert not re.search(r"\b(STL|LDL)\b", sass), f"registers spill to local memory ({usage.strip()})"
+
+
 def test_fp8_block_scale_divisions_have_no_slow_path_call():
     # Offline sm_90 compile (no GPU): fp8_block's two scale divisions (448/amax, 1/scale) are written
     # out (formats.div_448, rcp_rn), not div.rn.f32, whose slow-path call took the quantizers to

@@ -139,12 +139,17 @@ ROW_TILE = (32, 128, 4)
 # computed by every thread that holds one of its rows, 16 of them at 128 × 8 (once an element), 4 at
 # 64 × 1, which halves the values pass's instructions. Settable for that bench.
 WGRAD_TILE = {128: (64, 4), 32: (64, 2), 16: (64, 1)}
-COL_TILE = (64, 4)
+# _quantize_kernel's columnwise tiles, by rows per block -> (columns per program, warps): mxfp8's
+# 32-row blocks 128 columns at 4 warps (each thread twice 64 × 4's bytes in flight); nvfp4's two
+# interleaved 8-row half-tiles, and fp8_block's 128-row blocks, stay at 64 columns: nvfp4's pass
+# was 41 % slower at 128 (benchmarks/bench_quantizer_tiles.py --axes col; docs/DECISIONS.md,
+# "mxfp8's columnwise weight passes"). Settable for that bench.
+COL_TILE = {128: (64, 4), 32: (128, 4), 16: (64, 4)}
 
 
 def _block_grid(x: Tensor, rid: int, block: int, rowwise: bool) -> tuple[tuple[int, int, int], int, int, int, int]:
     """(grid, BM, BK, NB, num_warps) of _quantize_kernel for 1-D blocks. Rowwise: ROW_TILE, NB
-    blocks side by side. Columnwise: one block of rows per tile, COL_TILE's columns (nvfp4: two
+    blocks side by side. Columnwise: one block of rows per tile, COL_TILE[block]'s columns (nvfp4: two
     interleaved half-tiles, even and odd rows, so codes pack along the block axis)."""
     M, K = x.shape[-2:]
     batch = x.numel() // max(M * K, 1)
@@ -152,7 +157,7 @@ def _block_grid(x: Tensor, rid: int, block: int, rowwise: bool) -> tuple[tuple[i
         bm, bk, warps = ROW_TILE
         nb = max(1, bk // block)
         return (cdiv(M, bm), cdiv(K, nb * block), batch), bm, nb * block, nb, warps
-    bk, warps = COL_TILE
+    bk, warps = COL_TILE[block]
     if rid == _NVFP4:
         return (cdiv(M, block), cdiv(K, bk), batch), block // 2, bk, 1, warps
     return (cdiv(M, block), cdiv(K, bk), batch), block, bk, 1, warps
