@@ -7,6 +7,8 @@ import _triton_env
 
 
 def pytest_configure(config):
+    if _triton_env.INTERPRET:
+        _triton_env.skip_repeated_lang_patches()
     config.addinivalue_line(
         "markers",
         "interpreter_child(seconds): the test runs a TRITON_INTERPRET=1 child of about that many seconds "
