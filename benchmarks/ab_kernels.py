@@ -7,10 +7,12 @@ step's run-to-run spread: judge the kernels the change touches, and read the ste
     PYTHONPATH=src python3 benchmarks/ab_kernels.py --base /tmp/base/src [--shapes a,b]
         [--recipe fp8_block_wcache] [--kernels _wgrad_kernel,_quantize_kernel] [--rounds 3]
     PYTHONPATH=src python3 benchmarks/ab_kernels.py --set moemlp.kernels.quant.api:ROW_TILE=64,256,8
+    PYTHONPATH=src python3 benchmarks/ab_kernels.py --recipe mxfp8 --set moemlp.kernels.quant.api:COL_TILE[32]=64,4
 
 A is this checkout's src (with ``--set MODULE:NAME=INT[,INT...]`` applied to it: a tile constant, an
-int or a tuple of ints), B is ``--base`` (default: the same src, unset). ``--recipe``: bf16,
-fp8_block, mxfp8, nvfp4, with ``_wcache`` for the weights quantized once outside the step. Prints,
+int or a tuple of ints; ``NAME[KEY]`` sets one entry of a dict constant keyed by ints), B is
+``--base`` (default: the same src, unset). ``--recipe``: bf16, fp8_block, mxfp8, nvfp4, with
+``_wcache`` for the weights quantized once outside the step. Prints,
 per shape, the named kernels' summed ms in each round on each side, the mean difference A − B, and
 the step totals alike; with ``--bf16``, also bf16's step (this src) and bf16's time ÷ each side's.
 """
@@ -21,6 +23,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -33,11 +36,20 @@ def child(recipe_name: str, shapes: list[str], steps: int, sets: list[str]) -> N
     sys.path.insert(0, HERE)
     from profile_recipe import profile
 
-    for item in sets:  # MODULE:NAME=INT[,INT...]
+    for item in sets:  # MODULE:NAME=INT[,INT...] or MODULE:NAME[KEY]=INT[,INT...]
         target, value = item.split("=", 1)
         module, name = target.split(":")
         ints = tuple(int(v) for v in value.split(","))
-        setattr(importlib.import_module(module), name, ints[0] if len(ints) == 1 else ints)
+        value = ints[0] if len(ints) == 1 else ints
+        mod = importlib.import_module(module)
+        if name.endswith("]"):  # an entry of a dict constant, e.g. quant.api's COL_TILE[32]
+            name, key = name[:-1].split("[")
+            table = getattr(mod, name)
+            if int(key) not in table:
+                raise SystemExit(f"--set {item}: {module}.{name} has no key {key}; it has {sorted(table)}")
+            table[int(key)] = value
+        else:
+            setattr(mod, name, value)
     cached = recipe_name.endswith("_wcache")
     recipe = None if recipe_name == "bf16" else recipe_name.removesuffix("_wcache")
     for shape in shapes:
@@ -113,8 +125,10 @@ def main():
         p.error("--rounds and --steps: at least 1")
     for item in args.set:
         target, _, value = item.partition("=")
-        if ":" not in target or not value or not all(v.strip().lstrip("-").isdigit() for v in value.split(",")):
-            p.error(f"--set: expected MODULE:NAME=INT[,INT...], got {item!r}")
+        name = target.partition(":")[2]
+        if (":" not in target or not value or not all(v.strip().lstrip("-").isdigit() for v in value.split(","))
+                or not re.fullmatch(r"\w+(\[-?\d+\])?", name)):  # fmt: skip
+            p.error(f"--set: expected MODULE:NAME=INT[,INT...] or MODULE:NAME[KEY]=INT[,INT...], got {item!r}")
     src_a = os.path.join(os.path.dirname(HERE), "src")
     src_b = args.base or src_a
     if not os.path.isdir(os.path.join(src_b, "moemlp")):
