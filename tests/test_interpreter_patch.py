@@ -36,10 +36,12 @@ def check_one_patch_a_launch() -> None:
         scans.append(1)
         return scan(*args, **kwargs)
 
-    ti._patch_builtin = counting
     x = torch.arange(64 * 16, dtype=torch.float32)
-    _helpers_kernel[(64,)](x, BLOCK=16)
-    ti._patch_builtin = scan
+    ti._patch_builtin = counting
+    try:
+        _helpers_kernel[(64,)](x, BLOCK=16)
+    finally:
+        ti._patch_builtin = scan
     assert torch.equal(x, torch.arange(64 * 16, dtype=torch.float32) * 16), "the kernel's values"
     assert 0 < len(scans) <= 16, f"{len(scans)} scans of triton.language in one launch of 64 programs"
 
