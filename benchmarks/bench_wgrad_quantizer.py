@@ -3,7 +3,7 @@
 default tile's before it is timed.
 
     PYTHONPATH=src python3 benchmarks/bench_wgrad_quantizer.py [--shapes mixtral-8x7b,deepseek-v3-ep8]
-        [--recipes fp8_block,mxfp8,nvfp4] [--gemm]
+        [--recipes fp8_block,mxfp8,nvfp4] [--both] [--gemm]
 
 What runs per step of the fp8_block / mxfp8 backward: fp8_block quantizes x, dy (bf16) and z, g_h
 (fp32) with ``quantize_wgrad(..., transposed=True)`` (codes_t and scales for the fp8 wgrad GEMM);
@@ -15,6 +15,11 @@ torch ops timed once apart) in ms (do_bench median), GB/s (bytes read + written)
 bits equal the default tile's (storing the codes in rows as well, the former launch, cost 5-10 %:
 docs/DECISIONS.md, "Quantizer tiles"). Then, per recipe, the summed time of the four operands for
 each tile.
+
+``--both``: dy and g_h as mxfp8's and nvfp4's backward quantizes them (without the Hadamard option),
+in one ``dequantized_both`` call that writes their rowwise operand beside the wgrad one on the same
+tile (both outputs compared); x and z stay single. The sums are then x + z + dy + g_h as a step runs
+them, each timed (dy is not x counted twice).
 
 ``--gemm``: also the fp8 wgrad GEMM (``gemm.fp8_grouped_wgrad``, dW1 and dW2) per
 ``Fp8WgradConfig`` beside moemlp's bf16 wgrad kernel on the same operands, each config's result
@@ -39,14 +44,18 @@ TILES = {128: [(128, 8), (64, 8), (64, 4), (32, 4), (128, 16), (256, 16), (32, 8
          16: [(128, 2), (128, 8), (64, 1), (256, 4), (128, 4)]}  # fmt: skip
 
 
-def launch(t, splits, r, tile, blocks, is_grad=False):
+def launch(t, splits, r, tile, blocks, is_grad=False, both=False):
     """The library's own call with ``tile`` set (``kq.WGRAD_TILE``) and the row blocks computed once
     (``blocks=``, as a backward passes them), so the timing is the kernel's. Returns the outputs
     to compare: fp8_block's codes_t and scales, mxfp8's dequantized values, nvfp4's values and
-    factor."""
+    factor; with ``both``, ``dequantized_both``'s rowwise and wgrad values (and nvfp4's factors)."""
     default = kq.WGRAD_TILE[r.block]
     kq.WGRAD_TILE[r.block] = tile
     try:
+        if both:
+            outs = kq.dequantized_both(t, splits, r, is_grad, out_dtype=torch.bfloat16, tiny_blocks_exact=False,
+                                       blocks=blocks)  # fmt: skip
+            return tuple(o for o in outs if o is not None)
         if r.name == "fp8_block":
             q = kq.quantize_wgrad(t, splits, r, transposed=True, blocks=blocks)
             return q.codes_t, q.scales
@@ -111,6 +120,8 @@ def main():
     p.add_argument("--shapes", default="mixtral-8x7b,deepseek-v3-ep8")
     p.add_argument("--recipes", default="fp8_block,mxfp8",
                    help="comma-separated: fp8_block, mxfp8, nvfp4[:hadamard=1,stochastic_rounding=1]")
+    p.add_argument("--both", action="store_true",
+                   help="dy and g_h through dequantized_both, as mxfp8's and nvfp4's backward runs them")
     p.add_argument("--gemm", action="store_true")
     args = p.parse_args()
     keys = re.split(r",(?![a-z_]+=)", args.recipes)  # a recipe's own options are comma-separated too
@@ -130,28 +141,34 @@ def main():
         for key in keys:
             r = from_key(key)
             grads = {"g_h fp32"}
-            if getattr(r, "stochastic_rounding", False):
+            both = set()
+            if args.both and r.name != "fp8_block" and not getattr(r, "hadamard", False):
+                both = {"dy bf16", "g_h fp32"}
+            if getattr(r, "stochastic_rounding", False) or both:
                 ops["dy bf16"] = torch.randn(M, H, device="cuda", generator=g).bfloat16()
                 grads.add("dy bf16")
+            else:
+                ops.pop("dy bf16", None)
             blocks = kq.row_blocks(splits, M, r.block)
             ms_rb = bench(lambda: kq.row_blocks(splits, M, r.block))
             print(f"{shape:16s} {'(row blocks)':10s} {key:9s} {'torch':10s} {ms_rb:8.3f}")
             for name, t in ops.items():
-                is_grad = name in grads
-                ref = launch(t, splits, r, kq.WGRAD_TILE[r.block], blocks, is_grad)
+                is_grad, two = name in grads, name in both
+                ref = launch(t, splits, r, kq.WGRAD_TILE[r.block], blocks, is_grad, two)
                 for tile in TILES[r.block]:
                     label = f"{tile[0]}x{tile[1]}"
                     try:
-                        outs = launch(t, splits, r, tile, blocks, is_grad)
-                        same = all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(outs, ref))
-                        ms = bench(lambda: launch(t, splits, r, tile, blocks, is_grad))
+                        outs = launch(t, splits, r, tile, blocks, is_grad, two)
+                        same = len(outs) == len(ref) and all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(outs, ref))
+                        ms = bench(lambda: launch(t, splits, r, tile, blocks, is_grad, two))
                     except Exception as exc:  # a tile that does not compile or launch: say so, go on
                         print(f"{shape:16s} {name:10s} {key:9s} {label:10s} failed: {type(exc).__name__}: {str(exc)[:80]}")
                         bad.add((shape, key, label))
                         continue
                     reads = 2 if r.name == "nvfp4" else 1  # nvfp4: its amax pass reads t once more
-                    moved = t.numel() * (t.element_size() * reads + (1 if key == "fp8_block" else 2))
-                    print(f"{shape:16s} {name:10s} {key:9s} {label:10s} {ms:8.3f} {moved / ms / 1e6:7.0f}  "
+                    moved = t.numel() * (t.element_size() * reads + (1 if key == "fp8_block" else 2) * (2 if two else 1))
+                    shown = name + (" both" if two else "")
+                    print(f"{shape:16s} {shown:10s} {key:9s} {label:10s} {ms:8.3f} {moved / ms / 1e6:7.0f}  "
                           f"{'same' if same else 'DIFFER'}", flush=True)  # fmt: skip
                     if not same:
                         bad.add((shape, key, label))
