@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One device call: the GPU suite, then the benches, one at a time. Logs and CSV under $OUT; short
 # tables last.
-# Usage (device): bash benchmarks/gpu_sweep.sh [PART,PART...]   PART: suite gluon partsfp8 precision bench
-#   partsbf16 recipes profile wgradq wgradq4 parts shapes shapes256, run in that order; default
+# Usage (device): bash benchmarks/gpu_sweep.sh [PART,PART...]   PART: suite gluon tables partsfp8 precision
+#   bench partsbf16 recipes profile wgradq wgradq4 parts shapes shapes256, run in that order; default
 #   suite,partsfp8,recipes. A part whose time limit would pass DEADLINE seconds from the start
 #   (default 590: the device's 600 s per call) is skipped; the suite's limit shrinks to what is left,
 #   down to 420 s.
+# tables: the README's three tables from one machine in one call (a warm one, after the suite's):
+#   bench, precision, then bench --recipes at the four model shapes, whatever SHAPES says.
 # suite: every test, as the README runs them (-n 8; 4 to over 7 minutes on a cold host, most of it
 # kernel compiles, so it leaves no room for another part in the same call); gluon: the Gluon
 # engine's tests alone.
@@ -44,6 +46,17 @@ tests() {  # name, time limit (s), pytest arguments...: a summary line and the f
 # H100's pytest took 314 s), so that a DEADLINE a little under 570 still runs it.
 if has suite && fits suite 420; then tests suite $(( DEADLINE - SECONDS < 570 ? DEADLINE - SECONDS : 570 )); fi
 if has gluon && fits gluon 200; then tests gluon 200 tests/kernels/test_gluon_*.py; fi
+if has tables && fits tables 480; then
+  timeout 170 python3 -m moemlp bench --rep-ms 100 --out "$OUT" > "$OUT/bench.log" 2>&1
+  echo "[bench] rc=$? after ${SECONDS} s"; tail -8 "$OUT/bench.log"
+  timeout 60 python3 -m moemlp precision --out "$OUT" > "$OUT/precision.log" 2>&1
+  echo "[precision] rc=$? after ${SECONDS} s"; tail -7 "$OUT/precision.log"
+  # the four shapes took 254 s on a cold H100; what is left before DEADLINE, at least 240 s
+  timeout $(( DEADLINE - SECONDS > 240 ? DEADLINE - SECONDS : 240 )) python3 -m moemlp bench --recipes --rep-ms 50 \
+    --shape qwen3-30b-a3b --shape mixtral-8x7b --shape deepseek-v3-ep8 --shape gpt-oss-120b --out "$OUT" \
+    > "$OUT/bench_recipes.log" 2>&1
+  echo "[recipes] rc=$? after ${SECONDS} s"; tail -9 "$OUT/bench_recipes.log"
+fi
 if has partsfp8 && fits partsfp8 120; then
   # shellcheck disable=SC2086
   timeout 120 python3 -m moemlp bench --parts --recipes $SHAPES --rep-ms 40 --out "$OUT" > "$OUT/parts_fp8.log" 2>&1
