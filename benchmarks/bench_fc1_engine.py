@@ -37,7 +37,7 @@ DEV = torch.device("cuda")
 def _problem(shape, fp8: bool):
     x, splits, probs, w1, _, _ = routed_problem(shape, DEV)
     r = recipe("fp8_block") if fp8 else None
-    a_op, b_op = operands.act(x, r), operands.Weight(w1, r).forward()
+    a_op, b_op = operands.act(x, r, splits), operands.Weight(w1, r).forward()
     M, F, H = x.shape[0], shape.ffn, shape.hidden
     z_dtype = torch.float32 if fp8 else torch.bfloat16
     scales = dict(x_scale=a_op.scales, w1_scale=operands._tile_scales(b_op, 2 * F, H)) if fp8 else {}

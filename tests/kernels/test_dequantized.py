@@ -193,15 +193,25 @@ BOTH_RECIPES = ["mxfp8", "nvfp4", "nvfp4:stochastic_rounding=1"]
 INTERPRETED_BOTH_DTYPE = {"nvfp4": torch.float32, "nvfp4:stochastic_rounding=1": torch.bfloat16}
 
 
+def _nvfp4_rows_of_routed_amax(t, routed):
+    """nvfp4's rowwise qdq of all of t's rows with the S_enc of its first ``routed`` rows."""
+    from moemlp.recipes import nvfp4 as N
+    from moemlp.recipes._base import to_blocks
+
+    xb, back = to_blocks(t, 1, N.BLOCK)
+    return back(N.quantize_blocks(xb, N.tensor_scale(t[:routed]))[2])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("key", BOTH_RECIPES)
 def test_dequantized_both_is_the_two_passes(device, dtype, key, nan_empty):
     """The one-read passes: ``rows`` is qdq(t, -1) and ``wgrad`` the operand of qdq_wgrad (the
     gradient's where is_grad), bit for bit, rows past Σsplits included (there ``rows`` quantizes t's
-    rows, ``wgrad`` is +0; nvfp4: ``rows`` with the S_enc of all of t, ``wgrad`` with its routed
-    rows'); and both equal the separate passes' values and factors in the MLP's form, an fp32
-    source onto bf16 (tiny_blocks_exact=False)."""
+    rows, ``wgrad`` is +0). Under nvfp4 both take the tensor amax of the rows below Σsplits, as the
+    reference MLP quantizes only those rows (``rows`` is qdq(t[:Σsplits], -1) there, and a capacity
+    row holding t's amax moves nothing); and both equal the separate passes' values and factors in
+    the MLP's form, an fp32 source onto bf16 (tiny_blocks_exact=False)."""
     from moemlp.kernels.quant import api as kq
 
     if device == "cpu" and dtype != INTERPRETED_BOTH_DTYPE.get(key, dtype):
@@ -226,13 +236,20 @@ def test_dequantized_both_is_the_two_passes(device, dtype, key, nan_empty):
             rows, rows_f, wg, wg_f = kq.dequantized_both(t.to(device), s.to(device), r, is_grad, out_dtype=out_dtype)
             assert (rows_f is None) == (wg_f is None) == (not nvfp4), what
             ref_g, ref_a = r.qdq_wgrad(t, t, s)
-            _bitwise(_contract(rows, rows_f, out_dtype, device), r.qdq(t, -1), what + " rows")
+            ref_rows = _nvfp4_rows_of_routed_amax(t, sum(splits)) if nvfp4 else r.qdq(t, -1)
+            _bitwise(_contract(rows, rows_f, out_dtype, device), ref_rows, what + " rows")
+            if nvfp4:
+                _bitwise(_contract(rows[: sum(splits)], rows_f, out_dtype, device), r.qdq(t[: sum(splits)], -1),
+                         what + " routed rows")  # fmt: skip
+                assert torch.equal(rows_f.view(torch.int32), wg_f.view(torch.int32)), what + " factors"
             _bitwise(_contract(wg, wg_f, out_dtype, device), ref_g if is_grad else ref_a, what + " wgrad")
             assert not wg[sum(splits) :].cpu().view(torch.int16 if out_dtype != torch.float32 else torch.int32).any()
             # the MLP's call: bf16 values whatever the source, as the separate kernels give them
             got = kq.dequantized_both(t.to(device), s.to(device), r, is_grad, out_dtype=torch.bfloat16,
                                       tiny_blocks_exact=False)  # fmt: skip
-            one = kq.dequantized(t.to(device), r, -1, out_dtype=torch.bfloat16, tiny_blocks_exact=False)
+            routed_amax = kq.tensor_amaxes(t.to(device), s.to(device))[1] if nvfp4 else None
+            one = kq.dequantized(t.to(device), r, -1, out_dtype=torch.bfloat16, tiny_blocks_exact=False,
+                                 amax=routed_amax)  # fmt: skip
             two = kq.dequantized_wgrad(t.to(device), s.to(device), r, is_grad, out_dtype=torch.bfloat16,
                                        tiny_blocks_exact=False)  # fmt: skip
             for (v, f), (want_v, want_f), name in ((got[:2], one, "rows"), (got[2:], two, "wgrad")):

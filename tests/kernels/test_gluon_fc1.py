@@ -472,7 +472,7 @@ def _check_against_triton(splits_list, M, H, F, G, activation, params, bias, pro
     b1 = torch.randn(E, 2 * F, device=dev, dtype=torch.bfloat16) if bias else None
     probs = torch.rand(M, device=dev).to(probs_dtype)
     splits = torch.tensor(splits_list, device=dev, dtype=torch.int32)
-    a_op, b_op = operands.act(x, r), operands.Weight(w1, r).forward()
+    a_op, b_op = operands.act(x, r, splits), operands.Weight(w1, r).forward()
     pp = tuple(params) + (0.0,) * (3 - len(params))
     h = torch.full((M, 2 * F), float("nan"), device=dev, dtype=torch.bfloat16)
     z = None if z_dtype is None else torch.full((M, F), float("nan"), device=dev, dtype=z_dtype)

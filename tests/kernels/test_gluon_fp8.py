@@ -166,7 +166,7 @@ def test_gpu_fc2_dgrad_matches_the_triton_kernel(splits_list, M, H, F, activatio
     w2 = (torch.randn(E, H, F, device=dev) * H**-0.5).to(torch.bfloat16)
     splits = torch.tensor(splits_list, device=dev, dtype=torch.int32)
     probs = torch.rand(M, device=dev)
-    a_op, b_op = operands.act(dy, r), operands.Weight(w2, r).dgrad()
+    a_op, b_op = operands.act(dy, r, splits), operands.Weight(w2, r).dgrad()
     codes = b_op.b.transpose(1, 2)
     pp = tuple(params) + (0.0,) * (3 - len(params))
 

@@ -544,3 +544,39 @@ def test_gpu_emulated_on_the_bf16_kernels(case, key, monkeypatch):
         else:
             limit = DPROBS_RTOL[False] if what == "dprobs" else ORDER_RTOL["cuda"]
             assert _rel(a, b) <= limit, (what, _rel(a, b))
+
+
+def _step(t, cfg):
+    """Forward, the recomputed h (``recompute_fc1``) and the backward with every gradient."""
+    args = (t["splits"], t["probs"], t["fc1_weight"], t["fc2_weight"], t["fc1_bias"], t["fc2_bias"])
+    y, h = K.grouped_mlp_fwd(t["x"], *args, cfg)
+    h_again = K.grouped_fc1(t["x"], t["splits"], t["fc1_weight"], t["fc1_bias"], cfg)
+    return (y, h, h_again) + tuple(K.grouped_mlp_bwd(t["dy"], t["x"], h, *args, cfg, (True,) * 6))
+
+
+@interpreted
+@pytest.mark.parametrize("key", [NVFP4, "nvfp4:hadamard=1,stochastic_rounding=1"])
+def test_cpu_capacity_rows_move_no_routed_result(key):
+    # Capacity rows belong to no expert (SPEC §1): whatever x and dy hold there, every routed row's
+    # outputs and every weight gradient keep their bits. nvfp4's per-tensor amax is the one place a
+    # capacity row could reach them; the reference quantizes only the rows below Σsplits, so the
+    # Triton path must take those rows' amax for the rowwise operands of x (forward and recomputed
+    # FC1) and of dy (FC2_DGRAD), as it does for the weight gradients'. Here the capacity rows hold
+    # x's and dy's largest values (an amax over all rows would change S_enc, hence every code).
+    t, cfg = make((9, 0, 8), 56, 24, M=22, scale_fc2_bias=True)
+    cfg = with_recipe(cfg, key)
+    T = 17
+    quiet = dict(t, x=t["x"].clone(), dy=t["dy"].clone())
+    quiet["x"][T:], quiet["dy"][T:] = 0.0, 0.0
+    loud = dict(t, x=t["x"].clone(), dy=t["dy"].clone())
+    loud["x"][T:] *= 1000.0
+    loud["dy"][T:] *= 1000.0
+    names = ("y", "h", "h recomputed") + GRADS
+    for name, a, b in zip(names, _step(quiet, cfg), _step(loud, cfg)):
+        if name in ("dw1", "dw2", "db1", "db2"):
+            assert torch.equal(a, b), name
+        else:  # per row: the routed rows equal, the capacity rows 0 on both (h keeps FC1's rows)
+            assert torch.equal(a[:T], b[:T]), name
+            if name not in ("h", "h recomputed"):
+                assert not a[T:].any() and not b[T:].any(), name
+    compare(loud, cfg, "cpu")  # and the Triton path agrees with the reference there

@@ -258,19 +258,19 @@ def _fp8_shape_rows(shape, r, device: torch.device, rep_ms: int) -> list[dict]:
     ops = {}
 
     def quant_x():
-        ops["x"] = operands.act(x, r)
+        ops["x"] = operands.act(x, r, splits)
 
     def fc1():
         operands.gemm_on("fc1", ops["x"], W1, splits=splits, out=h, z=z, probs=probs, N=F, K=H, N1=N1, cfg=cfg)
 
     def quant_z():
-        ops["z"] = operands.act(z, r)
+        ops["z"] = operands.act(z, r, splits)
 
     def fc2():
         operands.gemm_on("fc2", ops["z"], W2, splits=splits, out=y, probs=probs, N=H, K=F, N1=N1, cfg=cfg)
 
     def quant_dy():
-        ops["dy"] = operands.act(dy, r)
+        ops["dy"] = operands.act(dy, r, splits)
 
     def fc2_dgrad():
         partial = operands.gemm_on("fc2_dgrad", ops["dy"], W2, splits=splits, out=g_h, probs=probs, z=z_b, h=h,
@@ -279,7 +279,7 @@ def _fp8_shape_rows(shape, r, device: torch.device, rep_ms: int) -> list[dict]:
                                         bias_term=False)  # fmt: skip
 
     def quant_g_h():
-        ops["g_h"] = operands.act(g_h, r)
+        ops["g_h"] = operands.act(g_h, r, splits)
 
     def fc1_dgrad():
         operands.gemm_on("fc1_dgrad", ops["g_h"], W1, splits=splits, out=dx, N=H, K=N1, N1=N1, cfg=cfg)

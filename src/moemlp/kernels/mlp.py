@@ -110,10 +110,10 @@ def grouped_mlp_fwd(
     # dropped on return, its codes_t and scales returned for the backward's dgrad.
     saved = operands.saved_dgrad((w1, w2), r, keep_dgrad) if not quantized else []
     h = torch.empty((M, N1), dtype=x.dtype, device=x.device)
-    # nvfp4: x's amax pass also takes the amax that the backward's dW1 operand of x needs, handed on
-    # as saved's last tensor (one read of x fewer in the backward)
+    # nvfp4: x's amax is that of its routed rows, which the backward's dW1 operand of x takes too,
+    # handed on as saved's last tensor (one read of x fewer in the backward)
     keep_x_amax = keep_dgrad is not None and any(keep_dgrad) and operands.takes_routed_amax(r)
-    x_op, b1 = operands.act(x, r, splits if keep_x_amax else None), w1.forward()
+    x_op, b1 = operands.act(x, r, splits), w1.forward()
     if keep_x_amax:
         saved.append(x_op.routed_amax)
     # round(a·p), FC2's input, freed on return; fp32 under a recipe, which quantizes the unrounded z,
@@ -125,7 +125,7 @@ def grouped_mlp_fwd(
                      N1=N1, cfg=cfg, z_values=z_values)  # fmt: skip
     del x_op, b1
     # FC2: y = z @ W2[e]ᵀ + b2 (· p with scale_fc2_bias)
-    z_op = operands.ActOperand(z) if z_values else operands.act(z, r)
+    z_op = operands.ActOperand(z) if z_values else operands.act(z, r, splits)
     operands.gemm_on("fc2", z_op, w2, splits=splits, out=y, probs=probs, bias=fc2_bias, N=H, K=F, N1=N1, cfg=cfg)
     return (y, h) if keep_dgrad is None else (y, h, saved)
 
@@ -205,7 +205,7 @@ def grouped_mlp_bwd(
         # one_read recipes: dy's two operands (along H for FC2_DGRAD, along the rows for dW2) from one
         # values pass, and dW2 right after FC2_DGRAD so its values are not held through FC1_DGRAD and dW1
         one_read = operands.one_read(r) and need_dw2
-        dy_op, dy_values = operands.both(dy, splits, r, blocks) if one_read else (operands.act(dy, r), None)
+        dy_op, dy_values = operands.both(dy, splits, r, blocks) if one_read else (operands.act(dy, r, splits), None)
         # FC2_DGRAD: g_z = dy @ W2[e]
         partial = operands.gemm_on("fc2_dgrad", dy_op, w2, splits=splits, out=g_h, probs=probs, z=z, h=h,
                                    dprobs_partials=need_dprobs, N=F, K=H, N1=N1, cfg=cfg)  # fmt: skip
@@ -226,7 +226,7 @@ def grouped_mlp_bwd(
             # FC1_DGRAD: dx = g_h @ W1[e]
             dx = torch.empty((M, H), dtype=x.dtype, device=device)
             g_op, g_values = (operands.both(g_h, splits, r, blocks) if operands.one_read(r) and need_dw1
-                              else (operands.act(g_h, r), None))  # fmt: skip
+                              else (operands.act(g_h, r, splits), None))  # fmt: skip
             operands.gemm_on("fc1_dgrad", g_op, w1, splits=splits, out=dx, N=H, K=N1, N1=N1, cfg=cfg)
             del g_op
         dw1, db1 = operands.wgrad(

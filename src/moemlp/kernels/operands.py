@@ -89,7 +89,7 @@ def one_read(recipe) -> bool:
 
 
 def both(t: Tensor, splits: Tensor, recipe, blocks: WgradBlocks) -> tuple[ActOperand, tuple[Tensor, Optional[Tensor]]]:
-    """(``act(t, recipe)``, the (values, factor) that ``wgrad`` makes of t as its gradient operand),
+    """(``act(t, recipe, splits)``, the (values, factor) that ``wgrad`` makes of t as its gradient operand),
     the same bits, from one values pass over t (``one_read`` recipes): pass the second as ``wgrad``'s
     ``g_values``."""
     rows, rows_factor, values, factor = kq.dequantized_both(
@@ -120,19 +120,20 @@ def takes_routed_amax(recipe) -> bool:
     return recipe is not None and recipe.name == "nvfp4" and not recipe.hadamard
 
 
-def act(t: Tensor, recipe, splits: Optional[Tensor] = None) -> ActOperand:
-    """t's operand for a GEMM that reads it along K. With ``splits`` (``takes_routed_amax`` recipes)
-    the amax pass also gives the amax of t's rows below Σsplits, which the backward's weight-gradient
-    operand of the same t takes (``wgrad``'s ``x_amax``) instead of reading t for it again."""
+def act(t: Tensor, recipe, splits: Tensor) -> ActOperand:
+    """t's operand for a GEMM that reads it along K, t's rows grouped by expert by ``splits``. Under
+    nvfp4 the per-tensor amax is that of t's rows below Σsplits (``tensor_amaxes``' second), as the
+    reference quantizes only the routed rows: capacity rows belong to no expert (SPEC §1), so
+    whatever they hold moves no routed row's result. For ``takes_routed_amax`` recipes that amax is
+    also the one the backward's weight-gradient operand of the same t takes (``wgrad``'s
+    ``x_amax``), handed on as ``routed_amax``."""
     if recipe is None:
         return ActOperand(t)
     if not is_native(recipe):
-        amax = routed = None
-        if splits is not None and takes_routed_amax(recipe):
-            amax, routed = kq.tensor_amaxes(t, splits)
+        routed = kq.tensor_amaxes(t, splits)[1] if recipe.name == "nvfp4" else None
         values, factor = kq.dequantized(t, recipe, axis=-1, out_dtype=torch.bfloat16, tiny_blocks_exact=False,
-                                        amax=amax)  # fmt: skip
-        return ActOperand(values, factor=factor, routed_amax=routed)
+                                        amax=routed)  # fmt: skip
+        return ActOperand(values, factor=factor, routed_amax=routed if takes_routed_amax(recipe) else None)
     q = kq.quantize(t, recipe, axis=-1)
     return ActOperand(q.codes, scales=q.scales)
 
@@ -404,7 +405,7 @@ def gemm(
 ) -> Optional[Tensor]:
     """One grouped-GEMM launch of the MLP, A quantized first under cfg.recipe (``act``), then
     ``gemm_on``. Returns the dprobs partials when asked, else None."""
-    return gemm_on(kind, act(a, launch_args["cfg"].recipe), weight, **launch_args)
+    return gemm_on(kind, act(a, launch_args["cfg"].recipe, launch_args["splits"]), weight, **launch_args)
 
 
 def gemm_on(

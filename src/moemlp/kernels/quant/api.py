@@ -313,7 +313,8 @@ def _wgrad_launch(
     """Both passes of a wgrad operand: nvfp4's amax pass, then the codes and scales (``out`` None) or
     the values written into ``out`` (T, K); with ``rows_out`` (mxfp8, nvfp4 without the Hadamard
     option; ``out`` given) the same passes write there t's values quantized along K, as
-    ``dequantized(t, recipe)`` (nvfp4: its amax pass takes all of t's amax too). Returns (codes,
+    ``dequantized(t, recipe)`` (nvfp4: with the same tensor amax, that of the rows below Σsplits,
+    ``tensor_amaxes``' second, for which ``dequantized`` takes ``amax=``). Returns (codes,
     scales, rows, amax, factor, codes_t, rows_factor), the unused ones None (amax: nvfp4's tensor
     amax): factor is nvfp4's 1/S_enc for ``out``, rows_factor for ``rows_out``; codes_t the (K, P)
     transposed codes.
@@ -365,19 +366,20 @@ def _wgrad_launch(
     # t stands in for the pointer rather than a tensor filled on the device every call.
     if not given:
         amax = torch.zeros((), dtype=torch.float32, device=t.device) if rid == _NVFP4 else t
-    rows_amax = amax  # nvfp4 with rows_out: the amax of all of t, from the same amax pass
+    # nvfp4 with rows_out: the rows' values take the same tensor amax, that of the rows below Σsplits,
+    # as the reference quantizes only those rows (capacity rows belong to no expert, SPEC §1), so
+    # nothing in a capacity row moves a routed row's values
+    rows_amax = amax
     # With no rows (T = 0) the launch still runs: every block is padding, so it writes code 0 and an
     # empty block's scale, as the reference does (the outputs are never left uninitialized).
     if K > 0 and nb > 0:
         if rid == _NVFP4 and not given:
             partial = torch.empty(grid, dtype=torch.float32, device=t.device)
-            rows_partial = partial if rows_out is None else torch.empty(grid, dtype=torch.float32, device=t.device)
             launch(_wgrad_kernel, grid,
-                t, start, count, partial, partial, partial, T, K, partial, partial, rows_partial, partial,
-                AMAX_ONLY=True, DEQUANT=False, STORE_T=False, STORE_ROWS=False, ROWS=rows_out is not None, **common,
+                t, start, count, partial, partial, partial, T, K, partial, partial, partial, partial,
+                AMAX_ONLY=True, DEQUANT=False, STORE_T=False, STORE_ROWS=False, ROWS=False, **common,
             )  # fmt: skip
-            amax = partial.amax()
-            rows_amax = rows_partial.amax() if rows_out is not None else amax
+            amax = rows_amax = partial.amax()
         if out is None:
             launch(_wgrad_kernel, grid,
                 t, start, count, codes, scales, amax, T, K, codes_t if transposed else codes, codes, amax, amax,
@@ -610,11 +612,13 @@ def dequantized_both(
     blocks: RowBlocks | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
     """(rows, rows_factor, wgrad, wgrad_factor) of a (T, K) operand read by a GEMM along K and by a
-    weight gradient along its rows: ``dequantized(t, recipe)``'s (values, factor) and
+    weight gradient along its rows: ``dequantized(t, recipe, amax=a)``'s (values, factor) and
     ``dequantized_wgrad(t, splits, recipe, is_grad)``'s, bit for bit, the factors nvfp4's 1/S_enc
-    (None under mxfp8). Under mxfp8 one pass reads t once (the two passes read it twice); under
-    nvfp4 one amax pass takes both tensor amaxes (all of t, and the rows that belong to an expert)
-    and one values pass writes both (the separate passes read t four times). ``tiny_blocks_exact``
+    (None under mxfp8), where ``a`` is the amax of t's rows below Σsplits (``tensor_amaxes``' second):
+    under nvfp4 both operands take that one tensor amax, as the reference quantizes only the routed
+    rows, so the two factors are equal and the capacity rows move neither. Under mxfp8 one pass reads
+    t once (the two passes read it twice); under nvfp4 one amax pass and one values pass that writes
+    both (the separate passes read t four times). ``tiny_blocks_exact``
     and ``blocks`` as there. mxfp8 and nvfp4 without the Hadamard option only: with it the wgrad
     amax is taken after the rotation, and fp8_block's 128-wide blocks give up the narrow tiles that
     keep the loads in flight (docs/DECISIONS.md)."""

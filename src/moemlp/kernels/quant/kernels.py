@@ -397,7 +397,7 @@ def _wgrad_kernel(
     K,
     codes_t_ptr,  # STORE_T: uint8 (K, NB·B), the padded codes transposed
     rows_ptr,  # ROWS: (T, K) the same rows dequantized along K instead, in 1×B blocks, output dtype
-    rows_amax_ptr,  # nvfp4 ROWS: fp32 scalar, the amax of all of t (AMAX_ONLY: (NB, nK) partials written)
+    rows_amax_ptr,  # nvfp4 ROWS: fp32 scalar, the rows' tensor amax (AMAX_ONLY: all of t's, (NB, nK) partials written)
     rows_factor_ptr,  # nvfp4 ROWS DEQUANT: fp32 scalar, the rows' 1/S_enc (written by program (0, 0))
     RECIPE: tl.constexpr,
     B: tl.constexpr,  # rows per block: 128, 32, 16
@@ -439,7 +439,7 @@ def _wgrad_kernel(
             values_r = e4m3_signed_value(codes_r) * _per_block_spread(e8m0_dequant_multiplier(e_r), B, BK // B, B)
             tl.store(rows_ptr + src, values_r.to(rows_ptr.dtype.element_ty), mask=out_mask)
         else:
-            # nvfp4's rowwise values as ``_quantize_kernel`` forms them, with the S_enc of all of t
+            # nvfp4's rowwise values as ``_quantize_kernel`` forms them, with the S_enc of rows_amax
             s_enc_r = nvfp4_tensor_scale(tl.load(rows_amax_ptr))
             values_r = _nvfp4_row_values(x_rows, s_enc_r, B, BK // B, B)
             tl.store(rows_ptr + src, values_r.to(rows_ptr.dtype.element_ty), mask=out_mask)
