@@ -78,6 +78,15 @@ BAD = [
     # A GLU activation with unary-shaped weights: says it needs gate and up.
     pytest.param(dict(fc1_weight=torch.randn(E, F, H, dtype=torch.bfloat16)), ValueError,
                  ["fc1_weight", "'swiglu' is a GLU", f"N1 = 2F = {2 * F}"], id="glu-with-unary-weights"),
+    pytest.param(dict(activation="clamped_swiglu", activation_params=[7.0]), TypeError,
+                 ["activation_params", "mapping", "list"], id="params-list"),
+    pytest.param(dict(activation="clamped_swiglu", activation_params="limit"), TypeError,
+                 ["activation_params", "mapping", "str"], id="params-str"),
+    # H = 0 passed every shape check, and the Triton backward left db1 uninitialized
+    pytest.param(dict(x=torch.randn(M, 0, dtype=torch.bfloat16),
+                      fc1_weight=torch.randn(E, 2 * F, 0, dtype=torch.bfloat16),
+                      fc2_weight=torch.randn(E, 0, F, dtype=torch.bfloat16)), ValueError, ["x", "H >= 1", "(12, 0)"],
+                 id="hidden-zero"),
     pytest.param(dict(backend="cuda"), ValueError, ["backend", "cuda"], id="unknown-backend"),
     pytest.param(dict(recipe="int4"), ValueError, ["recipe", "int4"], id="unknown-recipe"),
     pytest.param(dict(scale_fc2_bias="yes"), TypeError, ["scale_fc2_bias"], id="scale-not-bool"),
@@ -148,6 +157,10 @@ def test_module_sizes_are_keyword_only():
     pytest.param(dict(backend=None), TypeError, "backend", id="backend-not-str"),
     pytest.param(dict(bias=1), TypeError, "bias", id="bias-not-bool"),
     pytest.param(dict(recompute_fc1="no"), TypeError, "recompute_fc1", id="recompute-not-bool"),
+    pytest.param(dict(dtype=torch.int32), TypeError, "dtype", id="dtype-int"),
+    pytest.param(dict(dtype=torch.float8_e4m3fn), TypeError, "dtype", id="dtype-fp8"),
+    pytest.param(dict(activation="clamped_swiglu", activation_params=[7.0]), TypeError, "activation_params",
+                 id="params-list"),
 ])
 def test_module_options_fail_at_construction(kw, exc, word):
     with pytest.raises(exc, match=word):

@@ -65,6 +65,8 @@ def validate_inputs(
     if x.dtype not in _COMPUTE_DTYPES:
         raise TypeError(f"x: expected dtype bfloat16, float16, float32 or float64, got {x.dtype}")
     M, H = x.shape
+    if H < 1:
+        raise ValueError(f"x: expected a hidden size H >= 1 (shape (M, H)), got shape {tuple(x.shape)}")
     device = x.device
     if x_index is not None:
         x_index = _tensor("x_index", x_index, 1)

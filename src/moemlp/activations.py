@@ -167,11 +167,11 @@ def resolve_activation(
         raise ValueError(
             f"activation: unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)}"
         )
-    given = dict(activation_params or {})
     if activation_params is not None and not isinstance(activation_params, Mapping):
         raise TypeError(
             f"activation_params: expected a mapping of name to float, got {type(activation_params).__name__}"
         )
+    given = dict(activation_params or {})
     unknown = sorted(set(given) - set(spec.param_names))
     if unknown:
         raise ValueError(

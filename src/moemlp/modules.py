@@ -68,6 +68,9 @@ class GroupedMLP(nn.Module):
                 f"glu_interleave: expected None or a positive divisor of ffn_hidden_size = "
                 f"{ffn_hidden_size} with a GLU activation, got {glu_interleave!r} with {activation!r}"
             )
+        if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            raise TypeError(f"dtype: expected None or bfloat16, float16, float32 or float64 (the weights' and x's "
+                            f"dtype), got {dtype!r}")  # fmt: skip
         if not isinstance(backend, str):
             raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
         if backend not in _BACKENDS:
