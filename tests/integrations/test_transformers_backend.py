@@ -368,6 +368,22 @@ def test_sentinel_slots_add_nothing():
     assert bool((gw[::3, 1] == 0).all())
 
 
+def test_negative_slots_add_nothing():
+    """A negative index names no expert: it contributes what an expert-parallel sentinel (>= E) does,
+    nothing, instead of being sorted into expert 0's rows; with dense (tokens, E) weights too."""
+    experts = _experts("gpt_oss")
+    E = experts.gate_up_proj.shape[0]
+    x = torch.randn(9, HIDDEN, dtype=torch.float64)
+    index, weights = _routing(9, 2, E - 1)
+    negative, sentinel = index.clone(), index.clone()
+    negative[::3, 1], sentinel[::3, 1] = -1, E
+    want = mh.experts_forward(experts, x, sentinel, weights)
+    torch.testing.assert_close(mh.experts_forward(experts, x, negative, weights), want, rtol=0, atol=0)
+    dense = torch.zeros(9, E, dtype=torch.float64).scatter(1, index, weights)
+    torch.testing.assert_close(mh.experts_forward(experts, x, negative, dense),
+                               mh.experts_forward(experts, x, sentinel, dense), rtol=0, atol=0)  # fmt: skip
+
+
 def test_matches_transformers_grouped_mm_and_batched_mm():
     """The registered function against transformers' own non-eager backends on gpt-oss experts:
     batched_mm in float64 (op order only, as the float64 model tests), grouped_mm in fp32 (torch's

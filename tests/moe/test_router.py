@@ -127,6 +127,8 @@ def test_expert_bias_selects_but_does_not_weight(score):
     counts = F.one_hot(ref_idx, E).sum((0, 1)).float()
     assert torch.equal(r.tokens_per_expert, counts)
 
+    with pytest.raises(TypeError, match="group"):
+        r.update_expert_bias(0.01, group="dp")
     # Update: bias += rate · sign(mean − counts), counts reset.
     r.update_expert_bias(0.01)
     torch.testing.assert_close(r.expert_bias, bias + 0.01 * torch.sign(counts.mean() - counts))
@@ -165,3 +167,10 @@ def test_router_rejects_bad_x():
         r(torch.ones(3, 8, dtype=torch.int64))
     with pytest.raises(ValueError, match="expert_bias=False"):
         r.update_expert_bias()
+
+
+def test_group_limited_routing_takes_no_tokens():
+    # An empty batch (0 tokens) through group-limited routing: the (T, G, E/G) view of 0 elements.
+    r = Router(8, 8, 2, num_groups=4, topk_groups=2)
+    probs, idx = r(torch.randn(0, 8))
+    assert probs.shape == (0, 2) and idx.shape == (0, 2)

@@ -319,9 +319,9 @@ def _routing_probs(top_k_weights: Tensor, top_k_index: Tensor, num_experts: int,
     if tuple(top_k_weights.shape) == (T, K):  # checked first: with K == E both forms have this shape
         weights = top_k_weights
     elif tuple(top_k_weights.shape) == (T, num_experts):
-        # A dense (tokens, E) score matrix: slot k's weight is the score of its expert. EP sentinels
-        # (index >= E) read expert E-1's score; their rows are dropped by the dispatch anyway.
-        weights = top_k_weights.gather(1, top_k_index.clamp(max=num_experts - 1))
+        # A dense (tokens, E) score matrix: slot k's weight is the score of its expert. Indices
+        # outside [0, E) read expert 0's or E-1's score; their rows are dropped by the dispatch anyway.
+        weights = top_k_weights.gather(1, top_k_index.clamp(0, num_experts - 1))
     else:
         raise ValueError(
             f"top_k_weights: expected shape (tokens, top_k) = {(T, K)} or (tokens, num_experts) = "
@@ -369,6 +369,9 @@ def _run(module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tens
         fc2_bias = module.down_proj_bias.to(dtype)  # (E, H)
     num_experts, hidden = fc1.shape[0], fc1.shape[2]
     _check_routing(hidden_states, top_k_index, hidden)
+    # A negative index names no expert; sorted as it is it would land in expert 0's rows. Like the
+    # expert-parallel sentinels (>= E) it routes nowhere: mapped to E on the device, no host read.
+    top_k_index = torch.where(top_k_index < 0, torch.full_like(top_k_index, num_experts), top_k_index)
     probs = _routing_probs(top_k_weights, top_k_index, num_experts, dtype)  # (T, K) fp32 / float64
     # The experts compute in their own dtype (as transformers' grouped_mm casts the input to it).
     x = hidden_states.to(dtype)  # (T, H)

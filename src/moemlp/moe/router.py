@@ -270,11 +270,12 @@ class Router(nn.Module):
         """(T, E) selection scores with the experts outside each token's ``topk_groups`` best groups
         set to -inf; a group's score is the sum of its two highest selection scores (DeepSeek-V3)."""
         num_tokens = selection.shape[0]
-        grouped = selection.view(num_tokens, self.num_groups, -1)  # (T, G, E/G), groups contiguous
+        # (T, G, E/G), groups contiguous; the group width spelled out, so that T = 0 views too
+        grouped = selection.view(num_tokens, self.num_groups, selection.shape[1] // self.num_groups)
         group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, G)
         best = group_scores.topk(self.topk_groups, dim=-1).indices  # (T, topk_groups)
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-        return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(num_tokens, -1)
+        return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(num_tokens, selection.shape[1])
 
     @torch.no_grad()
     def update_expert_bias(self, update_rate: float = 1e-3, group=None) -> None:
@@ -285,6 +286,8 @@ class Router(nn.Module):
         if self.expert_bias is None:
             raise ValueError("update_expert_bias: this router was built with expert_bias=False")
         update_rate = _check_coeff("update_rate", update_rate)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group: expected a ProcessGroup or None, got {type(group).__name__}")
         counts = self.tokens_per_expert
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
