@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ._quantized_weights import quantize_weights
+from ._validate import _COMPUTE_DTYPES
 from .activations import resolve_activation
 from .functional import _BACKENDS, grouped_mlp
 
@@ -68,7 +69,7 @@ class GroupedMLP(nn.Module):
                 f"glu_interleave: expected None or a positive divisor of ffn_hidden_size = "
                 f"{ffn_hidden_size} with a GLU activation, got {glu_interleave!r} with {activation!r}"
             )
-        if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        if dtype is not None and dtype not in _COMPUTE_DTYPES:
             raise TypeError(f"dtype: expected None or bfloat16, float16, float32 or float64 (the weights' and x's "
                             f"dtype), got {dtype!r}")  # fmt: skip
         if not isinstance(backend, str):

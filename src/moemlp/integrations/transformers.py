@@ -371,7 +371,7 @@ def _run(module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tens
     _check_routing(hidden_states, top_k_index, hidden)
     # A negative index names no expert; sorted as it is it would land in expert 0's rows. Like the
     # expert-parallel sentinels (>= E) it routes nowhere: mapped to E on the device, no host read.
-    top_k_index = torch.where(top_k_index < 0, torch.full_like(top_k_index, num_experts), top_k_index)
+    top_k_index = top_k_index.masked_fill(top_k_index < 0, num_experts)
     probs = _routing_probs(top_k_weights, top_k_index, num_experts, dtype)  # (T, K) fp32 / float64
     # The experts compute in their own dtype (as transformers' grouped_mm casts the input to it).
     x = hidden_states.to(dtype)  # (T, H)

@@ -397,7 +397,7 @@ def _wgrad_kernel(
     K,
     codes_t_ptr,  # STORE_T: uint8 (K, NB·B), the padded codes transposed
     rows_ptr,  # ROWS: (T, K) the same rows dequantized along K instead, in 1×B blocks, output dtype
-    rows_amax_ptr,  # nvfp4 ROWS: fp32 scalar, the rows' tensor amax (AMAX_ONLY: all of t's, (NB, nK) partials written)
+    rows_amax_ptr,  # nvfp4 ROWS: fp32 scalar, the rows' tensor amax (the routed rows', as amax_ptr's)
     rows_factor_ptr,  # nvfp4 ROWS DEQUANT: fp32 scalar, the rows' 1/S_enc (written by program (0, 0))
     RECIPE: tl.constexpr,
     B: tl.constexpr,  # rows per block: 128, 32, 16
@@ -410,8 +410,7 @@ def _wgrad_kernel(
     DEQUANT: tl.constexpr,  # write code·block_scale back to the source rows instead of codes and scales
     STORE_T: tl.constexpr,  # store the codes transposed (fp8_block, mxfp8)
     STORE_ROWS: tl.constexpr,  # store the codes in rows (P, K); off with STORE_T: the wgrad GEMM reads only codes_t
-    ROWS: tl.constexpr,  # mxfp8, nvfp4 DEQUANT: also write the rows' values quantized along K (``rows_ptr``);
-    #                     nvfp4 AMAX_ONLY: also the amax of every row (``rows_amax_ptr``)
+    ROWS: tl.constexpr,  # mxfp8, nvfp4 DEQUANT: also write the rows' values quantized along K (``rows_ptr``)
 ):
     pid_b = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -426,15 +425,11 @@ def _wgrad_kernel(
     out_mask = tl.where(count > 0, r < count, start + r < T)[:, None] & (rk < K)[None, :]
     if ROWS:
         # every row this program writes, those past Σsplits too: their 1×B blocks along K are the
-        # rowwise pass's (``dequantized``), while the row blocks see zeros there. The row blocks
-        # cover each row of t once, so their programs' maxima are all of t's amax.
+        # rowwise pass's (``dequantized``), while the row blocks see zeros there.
         x_rows = tl.load(x_ptr + src, mask=out_mask, other=0.0).to(tl.float32)
         x = tl.where(mask, x_rows, 0.0)
-        a_r = abs_or_zero(x_rows)
-        if AMAX_ONLY:
-            tl.store(rows_amax_ptr + pid_b * tl.num_programs(1) + pid_k, tl.max(tl.max(a_r, axis=1), axis=0))
-        elif RECIPE == 1:
-            e_r = e8m0_exponent(_per_block_max(a_r, B, BK // B, B))  # (B, BK // B)
+        if RECIPE == 1:
+            e_r = e8m0_exponent(_per_block_max(abs_or_zero(x_rows), B, BK // B, B))  # (B, BK // B)
             codes_r = e4m3_code(x_rows * _per_block_spread(e8m0_quant_multiplier(e_r), B, BK // B, B))
             values_r = e4m3_signed_value(codes_r) * _per_block_spread(e8m0_dequant_multiplier(e_r), B, BK // B, B)
             tl.store(rows_ptr + src, values_r.to(rows_ptr.dtype.element_ty), mask=out_mask)
