@@ -402,6 +402,43 @@ def test_router_logits_fp32_under_autocast():
     assert torch.equal(idx, idx_ac) and torch.equal(probs, probs_ac)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_runs_on_the_meta_device(dtype):
+    # Shape inference on meta tensors (a model built under device="meta"): the router's autocast-off
+    # context must not ask autocast about the meta device, which it does not know.
+    moe = MoE(hidden_size=64, ffn_hidden_size=32, num_experts=4, top_k=2, device="meta", dtype=dtype,
+              num_shared_experts=1, shared_expert_gate=True)
+    x = torch.randn(8, 64, device="meta", dtype=dtype, requires_grad=True)
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = moe(x)
+        assert y.shape == (8, 64) and y.dtype == dtype and y.device.type == "meta"
+        y.sum().backward()
+        assert x.grad.shape == (8, 64) and moe.router.weight.grad.dtype == torch.float32
+        x.grad = None
+
+
+
+def test_meta_layer_reset_after_to_empty_leaves_nothing_uninitialized():
+    # FSDP2's deferred init: build on meta, to_empty, then reset_parameters on every module that has
+    # one. The router's balancing buffers are state, not parameters, and must come back zeroed.
+    moe = MoE(hidden_size=64, ffn_hidden_size=32, num_experts=4, top_k=2, device="meta", expert_bias=True,
+              num_shared_experts=1)
+    moe.to_empty(device="cpu")
+    moe.router.expert_bias.fill_(float("nan"))
+    moe.router.tokens_per_expert.fill_(7.0)
+    for module in moe.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert torch.equal(moe.router.expert_bias, torch.zeros(4))
+    assert torch.equal(moe.router.tokens_per_expert, torch.zeros(4))
+    for name, p in moe.named_parameters():
+        assert torch.isfinite(p).all() and p.abs().max() < 1, name
+    y = moe(torch.randn(8, 64))
+    assert torch.isfinite(y).all()
+
+
 _FSDP_SCRIPT = r'''
 import os, socket, torch, torch.distributed as dist
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()

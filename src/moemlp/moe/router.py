@@ -38,6 +38,7 @@ values are kept, detached, in ``aux_loss`` and ``z_loss`` for logging (no host r
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -84,6 +85,14 @@ def _check_coeff(name: str, value) -> float:
     if not (value >= 0.0 and value != float("inf")):
         raise ValueError(f"{name}: expected a finite float >= 0, got {value}")
     return value
+
+
+def _autocast_off(device: torch.device):
+    """Autocast off for the fp32 matmuls, on a device type autocast knows (a meta tensor's has no
+    autocast state, and ``torch.autocast("meta")`` raises)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _keeping_fp32(fn):
@@ -193,6 +202,11 @@ class Router(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=0.02)  # Megatron-Core's init_method_std default
+        # The balancing state too: after ``to_empty`` (a model built on the meta device) these are
+        # uninitialized memory until reset.
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
 
     def _apply(self, fn, recurse=True):
         """Module casts move the router's tensors but keep them fp32: ``model.to(torch.bfloat16)``,
@@ -221,7 +235,7 @@ class Router(nn.Module):
         E, k = self.num_experts, self.top_k
 
         # Under autocast a bf16 matmul would round the logits and reorder near-tied experts.
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with _autocast_off(x.device):
             logits = x.float() @ self.weight.t()  # (T, E) fp32; x upcast exactly
         if self.score == "softmax":
             scores = torch.softmax(logits, dim=-1)
@@ -324,5 +338,5 @@ class SharedExpertGate(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"x: expected shape (T, {self.hidden_size}), got {tuple(x.shape)}")
         _check_fp32_weight("shared_expert_gate.weight", self.weight)
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with _autocast_off(x.device):
             return torch.sigmoid(x.float() @ self.weight.t()).view(-1)  # (T,) fp32
