@@ -142,8 +142,8 @@ def validate_inputs(
         if probs.shape[0] != M:
             if x_index is not None:  # x_index sets M here; the two disagree
                 raise ValueError(
-                    f"x_index: expected shape ({probs.shape[0]},) (one row of x per expert-input row, as many "
-                    f"as probs has), got ({M},)"
+                    f"x_index and probs: expected the same length, one per expert-input row (the rows splits "
+                    f"counts), got x_index ({M},) and probs {tuple(probs.shape)}"
                 )
             raise ValueError(f"probs: expected shape ({M},) (one per row of x), got {tuple(probs.shape)}")
 
