@@ -63,6 +63,51 @@ def test_accumulate_into_main_grad_needs_main_grad():
     with pytest.raises(TypeError, match="float32"):
         moemlp.grouped_mlp(p.x, p.splits, p.probs, w1, w2, accumulate_into_main_grad=True)
 
+    w1.main_grad = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"fc1_weight.main_grad: expected shape"):
+        moemlp.grouped_mlp(p.x, p.splits, p.probs, w1, w2, accumulate_into_main_grad=True)
+
+
+@in_parent
+@pytest.mark.parametrize("recipe", [None, "fp8_block"])
+def test_accumulate_into_main_grad_of_non_contiguous_weights(recipe):
+    # The op runs on contiguous copies of such weights (a slice; the transposed layout under a
+    # recipe); the gradient must still land in the caller's own main_grad.
+    p = make_problem([5, 0, 6], 32, 16, seed=23)
+    E, N1, H = p.fc1_weight.shape
+    big1 = torch.zeros(E, N1, 2 * H, dtype=p.fc1_weight.dtype)
+    big1[:, :, :H] = p.fc1_weight.detach()
+    w1 = big1[:, :, :H].requires_grad_()  # a slice: not contiguous
+    w2 = p.fc2_weight.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    assert not w1.is_contiguous() and not w2.is_contiguous()
+    w1.main_grad, w2.main_grad = torch.zeros(w1.shape), torch.zeros(w2.shape)
+    y = moemlp.grouped_mlp(p.x, p.splits, p.probs, w1, w2, backend="torch", recipe=recipe,
+                           accumulate_into_main_grad=True)
+    y.backward(p.dy)
+    q1, q2 = (t.detach().clone().requires_grad_() for t in (p.fc1_weight, p.fc2_weight))
+    q1.main_grad, q2.main_grad = torch.zeros(q1.shape), torch.zeros(q2.shape)
+    moemlp.grouped_mlp(p.x, p.splits, p.probs, q1, q2, backend="torch", recipe=recipe,
+                       accumulate_into_main_grad=True).backward(p.dy)
+    assert torch.equal(w1.main_grad, q1.main_grad) and torch.equal(w2.main_grad, q2.main_grad)
+    assert w1.main_grad.abs().sum() > 0 and w2.main_grad.abs().sum() > 0
+
+
+@in_parent
+def test_accumulate_into_main_grad_skips_frozen_weights_and_no_grad():
+    p = make_problem([3, 4], 16, 8, seed=24)
+    w1 = p.fc1_weight.detach().requires_grad_()
+    w1.main_grad = torch.zeros(w1.shape)
+    w2 = p.fc2_weight.detach()  # frozen: no main_grad needed
+    y = moemlp.grouped_mlp(p.x, p.splits, p.probs, w1, w2, backend="torch", accumulate_into_main_grad=True)
+    y.backward(p.dy)
+    assert w1.main_grad.abs().sum() > 0 and w2.grad is None and not hasattr(w2, "main_grad")
+    bare1, bare2 = p.fc1_weight.detach().requires_grad_(), p.fc2_weight.detach().requires_grad_()
+    for ctx in (torch.no_grad, torch.inference_mode):  # no backward: nothing needs a main_grad
+        with ctx():
+            y0 = moemlp.grouped_mlp(p.x, p.splits, p.probs, bare1, bare2, backend="torch",
+                                    accumulate_into_main_grad=True)
+        assert torch.equal(y0, y.detach())
+
 
 # --- the Triton backend: CPU interpreter in a child process (tests/_triton_env.py), or the GPU ----
 

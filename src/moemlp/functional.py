@@ -225,7 +225,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
         recipe_key,
         backend,
         recompute_fc1,
-        accumulate_into_main_grad,
+        main_grad_params,
         grad_enabled,
         quantized_weights,
     ):
@@ -267,8 +267,9 @@ class _GroupedMLPFunction(torch.autograd.Function):
         ctx.num_fc1_quantized = len(fc1_quantized)
         ctx.options = (activation, activation_params, glu_interleave, scale_fc2_bias, recipe_key, backend)
         ctx.recompute_fc1 = recompute_fc1
-        # Parameters whose weight gradient goes into their fp32 .main_grad (Megatron-Core style).
-        ctx.main_grad_params = (fc1_weight, fc2_weight) if accumulate_into_main_grad else None
+        # The caller's weights whose gradient goes into their fp32 .main_grad (Megatron-Core style;
+        # None for a frozen one), or None: fc1_weight and fc2_weight here may be contiguous copies.
+        ctx.main_grad_params = main_grad_params
         return y
 
     @staticmethod
@@ -294,7 +295,8 @@ class _GroupedMLPFunction(torch.autograd.Function):
             saved,
         )
         if ctx.main_grad_params is not None:
-            dw1, dw2 = (_into_main_grad(w, dw) for w, dw in zip(ctx.main_grad_params, (dw1, dw2)))
+            dw1, dw2 = (None if w is None else _into_main_grad(w, dw)
+                        for w, dw in zip(ctx.main_grad_params, (dw1, dw2)))
             needs[2] = dw1 is not None
             needs[3] = dw2 is not None
         return (
@@ -312,7 +314,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
             None,  # recipe_key
             None,  # backend
             None,  # recompute_fc1
-            None,  # accumulate_into_main_grad
+            None,  # main_grad_params
             None,  # grad_enabled
             None,  # quantized_weights
         )
@@ -422,6 +424,8 @@ def grouped_mlp(
         recompute_fc1: keep only x for backward and run FC1 again there (saves the (M, N1) h).
         accumulate_into_main_grad: add the weight gradients, computed in fp32, into each weight's
             fp32 ``main_grad`` (Megatron-Core's gradient-accumulation fusion) instead of ``.grad``.
+            Each weight that will get a gradient (requires_grad, grad mode on) needs a float32
+            ``main_grad`` of its shape on its device; frozen weights need none.
         quantized_weights: a ``QuantizedWeights`` from ``moemlp.quantize_weights(fc1_weight,
             fc2_weight, recipe)``, or None. The forward GEMMs and the backward's dgrads read its
             operands (fp8_block's codes; mxfp8's and nvfp4's dequantized bf16 values, both
@@ -487,16 +491,27 @@ def grouped_mlp(
     for name, flag in (("recompute_fc1", recompute_fc1), ("accumulate_into_main_grad", accumulate_into_main_grad)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    main_grad_params = None
     if accumulate_into_main_grad:
-        for name, w in (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
+        # The weights a backward will give a gradient: those need a main_grad (the caller's own
+        # tensors, not the contiguous copies the op may run on). Frozen weights, and calls under
+        # no_grad / inference_mode, need none.
+        grads = torch.is_grad_enabled()
+        main_grad_params = tuple(w if grads and w.requires_grad else None for w in (fc1_weight, fc2_weight))
+        for name, w in zip(("fc1_weight", "fc2_weight"), main_grad_params):
+            if w is None:
+                continue
             mg = getattr(w, "main_grad", None)
             if not isinstance(mg, Tensor):
                 raise ValueError(f"{name}: accumulate_into_main_grad needs a tensor {name}.main_grad")
-            if mg.dtype != torch.float32 or mg.shape != w.shape or mg.device != w.device:
+            if mg.shape != w.shape:
+                raise ValueError(f"{name}.main_grad: expected shape {tuple(w.shape)}, got {tuple(mg.shape)}")
+            if mg.dtype != torch.float32 or mg.device != w.device:
                 raise TypeError(
-                    f"{name}.main_grad: expected float32 of shape {tuple(w.shape)} on {w.device}, got "
-                    f"{mg.dtype} of shape {tuple(mg.shape)} on {mg.device}"
+                    f"{name}.main_grad: expected float32 on {w.device}, got {mg.dtype} on {mg.device}"
                 )
+        if all(w is None for w in main_grad_params):
+            main_grad_params = None
     if recipe_obj is not None and x.dtype == torch.float64:
         raise TypeError("recipe: block-scaled recipes take bf16, fp16 or fp32 inputs, got float64 x")
     quantized = []
@@ -530,7 +545,7 @@ def grouped_mlp(
         recipe_obj.key if recipe_obj is not None else "",
         be,
         recompute_fc1,
-        accumulate_into_main_grad,
+        main_grad_params,
         # In no_grad / inference_mode there is no backward, while ctx.needs_input_grad still
         # reflects requires_grad: nothing is kept for a backward then.
         torch.is_grad_enabled(),
