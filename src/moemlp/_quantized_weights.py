@@ -92,8 +92,9 @@ class QuantizedWeights:
     The staleness check sees in-place writes through the version counter: plain and foreach
     optimizers, ``copy_``, ``load_state_dict``. A fused optimizer (``torch.optim.AdamW(fused=True)``,
     torch 2.13) and in-place writes through ``.data`` (``param.data.copy_(master)``) change the
-    parameters without bumping ``_version``, so after them the check passes: quantize again on each
-    step's first micro-batch (``is_first_microbatch=True``) yourself.
+    parameters without bumping ``_version``, and inference tensors have no version counter, so after
+    such writes the check passes: quantize again on each step's first micro-batch
+    (``is_first_microbatch=True``) yourself.
     """
 
     fc1: Union[WeightTiles, DequantizedWeight]

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from _cases import make_problem, run
-from moemlp.recipes import from_key, recipe, resolve_recipe
+from moemlp.recipes import FP8BlockRecipe, NVFP4Recipe, Recipe, from_key, recipe, resolve_recipe
 
 
 @HYPOTHESIS
@@ -136,6 +136,10 @@ def test_keys_are_distinct_and_defaults():
         (lambda: recipe("mxfp8").quantize(torch.zeros(3, dtype=torch.int32)), TypeError, ["x", "int32"]),
         (lambda: recipe("mxfp8").quantize(torch.zeros(3, 4), axis=2), ValueError, ["axis"]),
         (lambda: recipe("fp8_block").quantize_weight(torch.zeros(3)), ValueError, ["w"]),
+        (lambda: FP8BlockRecipe(pow2_scales="no"), TypeError, ["pow2_scales", "bool", "str"]),
+        (lambda: NVFP4Recipe(hadamard=None), TypeError, ["hadamard", "bool"]),
+        (lambda: NVFP4Recipe(stochastic_rounding=1), TypeError, ["stochastic_rounding", "bool", "int"]),
+        (lambda: resolve_recipe(Recipe()), TypeError, ["recipe", "FP8BlockRecipe", "Recipe"]),
     ],
     ids=[
         "unknown",
@@ -148,6 +152,10 @@ def test_keys_are_distinct_and_defaults():
         "int-tensor",
         "bad-axis",
         "1d-weight",
+        "object-option-str",
+        "object-option-none",
+        "object-option-int",
+        "base-recipe",
     ],
 )
 def test_bad_arguments(call, exc, words):

@@ -53,7 +53,14 @@ def recipe(name: str, **options) -> Recipe:
 
 def resolve_recipe(r: Union[None, str, Recipe]) -> Optional[Recipe]:
     """None -> None; a name -> ``recipe(name)`` with default options; a recipe object -> itself."""
-    if r is None or isinstance(r, Recipe):
+    if r is None:
+        return r
+    if isinstance(r, Recipe):
+        if type(r) not in RECIPES.values():
+            raise TypeError(
+                f"recipe: expected one of moemlp's recipe objects ({', '.join(c.__name__ for c in RECIPES.values())}), "
+                f"got {type(r).__name__}"
+            )
         return r
     if isinstance(r, str):
         return recipe(r)

@@ -197,6 +197,13 @@ class Recipe:
     kernel_id: Optional[int] = None
     native: bool = False
 
+    def __post_init__(self) -> None:
+        # The options are bools (``key`` writes them as 0 / 1): a recipe object built directly gets
+        # the check ``moemlp.recipe(name, **options)`` makes.
+        for k, v in self.options().items():
+            if not isinstance(v, bool):
+                raise TypeError(f"recipe: option {k!r} of {self.name!r} expects a bool, got {type(v).__name__}")
+
     def _dequantizer(self, block: tuple[int, ...]) -> Callable[[QuantizedTensor], Tensor]:
         """The dequantization of this recipe's QuantizedTensors with ``block``."""
         raise NotImplementedError
