@@ -140,6 +140,12 @@ def test_keys_are_distinct_and_defaults():
         (lambda: NVFP4Recipe(hadamard=None), TypeError, ["hadamard", "bool"]),
         (lambda: NVFP4Recipe(stochastic_rounding=1), TypeError, ["stochastic_rounding", "bool", "int"]),
         (lambda: resolve_recipe(Recipe()), TypeError, ["recipe", "FP8BlockRecipe", "Recipe"]),
+        (lambda: recipe("mxfp8").qdq_wgrad(torch.ones(10, 32), torch.ones(10, 32), torch.tensor([3.0, 4.0])),
+         TypeError, ["splits", "float32"]),
+        (lambda: recipe("nvfp4").quantize_wgrad(torch.ones(10, 32), torch.tensor([-1, 4])), ValueError,
+         ["splits", ">= 0"]),
+        (lambda: recipe("fp8_block").quantize_wgrad(torch.ones(10, 128), torch.tensor([8, 4])), ValueError,
+         ["splits", "sum to 12", "10 rows"]),
     ],
     ids=[
         "unknown",
@@ -156,6 +162,9 @@ def test_keys_are_distinct_and_defaults():
         "object-option-none",
         "object-option-int",
         "base-recipe",
+        "wgrad-float-splits",
+        "wgrad-negative-split",
+        "wgrad-splits-past-rows",
     ],
 )
 def test_bad_arguments(call, exc, words):

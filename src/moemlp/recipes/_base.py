@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._validate import validate_split_values
+
 __all__ = ["QuantizedTensor", "Recipe"]
 
 _SRC_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -241,6 +243,14 @@ class Recipe:
         check_float(t, "t")
         if t.ndim != 2:
             raise ValueError(f"t: expected a (T, K) operand, got shape {tuple(t.shape)}")
+        if not isinstance(splits, Tensor) or splits.dtype not in (torch.int32, torch.int64) or splits.ndim != 1:
+            raise TypeError(
+                f"splits: expected a 1-D int32 or int64 tensor of rows per expert, got "
+                f"{splits.dtype if isinstance(splits, Tensor) else type(splits).__name__}"
+                f"{f' of shape {tuple(splits.shape)}' if isinstance(splits, Tensor) else ''}"
+            )
+        if splits.device.type == "cpu":  # a free host read; device splits are the caller's to check
+            validate_split_values(splits, t.shape[0], rows_of="t")
         lay = ExpertRows(splits, t.shape[0], self.block, t.device)
         q = self._quantize_padded(lay.scatter(t), lay, is_grad)
         return dataclasses.replace(q, rows=lay.row_map)
