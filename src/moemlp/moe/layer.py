@@ -71,8 +71,9 @@ class MoE(nn.Module):
             there (moemlp.grouped_mlp's option): saves the (T·k, 2F) pre-activation.
         accumulate_into_main_grad: expert weight gradients are computed in fp32 and added into
             ``experts.fc1_weight.main_grad`` / ``fc2_weight.main_grad`` (fp32 tensors the caller
-            attaches, as Megatron-Core's DDP does) instead of ``.grad``. The router weight is
-            fp32 already; its gradient goes to ``.grad`` as usual.
+            attaches, as Megatron-Core's DDP does) instead of ``.grad``; with shared experts, also
+            ``shared_experts.fc1_weight`` / ``fc2_weight``'s. Frozen weights need none. The router
+            weight is fp32 already; its gradient goes to ``.grad`` as usual.
         num_groups, topk_groups: group-limited routing (DeepSeek-V3's ``n_group``, ``topk_group``):
             top-k only among the experts of each token's ``topk_groups`` best groups of
             E/num_groups contiguous experts, a group scored by the sum of its top-2 (bias-corrected)
