@@ -63,7 +63,9 @@ def main(argv: list[str]) -> int:
         workers = str(min(8, os.cpu_count() or 1))
         return _run([PY, "-m", "pytest", "-q", "-n", workers, *rest], cwd=ROOT)
     rc = _run([PY, "-m", "moemlp", "bench", *rest], cwd=ROOT)
-    if rc == 0 and not {"--moe", "--recipes", "-h", "--help"} & set(rest):
+    # precision follows the plain bench only: --moe, --hf, --recipes and --parts are benches of their
+    # own (the bench refuses abbreviations, so these are the only spellings).
+    if rc == 0 and not {"--moe", "--hf", "--recipes", "--parts", "-h", "--help"} & set(rest):
         rc = _run([PY, "-m", "moemlp", "precision", *_precision_args(rest)], cwd=ROOT)
     return rc
 

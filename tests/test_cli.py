@@ -284,3 +284,78 @@ def test_gpu_time_hides_the_host_and_keeps_the_kernels():
         alones.append(event_ms(sleep))
     long, alone = min(longs), min(alones)
     assert alone > 1.0 and 0.9 < long / alone < 1.1, (longs, alones)
+
+
+# --- arguments refused before anything runs -----------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["bench", "--device", "foo"], ["--device", "cpu or cuda", "'foo'"]),
+    (["precision", "--device", "meta"], ["--device", "cpu or cuda", "'meta'"]),
+    (["bench", "--rep-ms", "0"], ["--rep-ms", "positive integer, got 0"]),
+    (["bench", "--rep-ms", "-5"], ["--rep-ms", "positive integer, got -5"]),
+    (["bench", "--moe", "--hf"], ["--moe and --hf are separate benches"]),
+    (["bench", "--moe", "--recipes"], ["--moe and --recipes are separate benches"]),
+    (["bench", "--hf", "--parts"], ["--hf and --parts are separate benches"]),
+    (["bench", "--ep", "1,2"], ["--ep applies to --moe only"]),
+    (["bench", "--recipes", "--peers", "lean"], ["--peers applies to the plain bench only, not --recipes"]),
+    (["bench", "--moe", "--rep-ms", "50"], ["--rep-ms does not apply to --moe"]),
+    (["bench", "--rec"], ["unrecognized arguments: --rec"]),  # no abbreviations (dev.py reads the flags)
+], ids=["device-foo", "device-meta", "rep-ms-0", "rep-ms-negative", "moe-hf", "moe-recipes", "hf-parts",
+        "ep-alone", "peers-recipes", "rep-ms-moe", "abbreviation"])
+def test_bad_arguments_refused_at_once(argv, words, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err, (w, err)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where torch sees no GPU")
+def test_cuda_device_without_a_gpu_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["precision", "--device", "cuda", "--shape", "cpu-small"])
+    assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_out_checked_before_the_run(tmp_path, capsys, monkeypatch):
+    from moemlp.bench import mlp
+
+    monkeypatch.setattr(mlp, "run_bench", lambda *a: pytest.fail("the bench ran before --out was checked"))
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for out, words in ((str(afile), "exists and is not a folder"), ("", "expected a folder"),
+                       (str(afile / "sub"), "cannot make the folder")):
+        with pytest.raises(SystemExit):
+            main(["bench", "--device", "cpu", "--shape", "cpu-small", "--out", out])
+        assert words in capsys.readouterr().err
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit):
+        main(["precision", "--device", "cpu", "--backend", "triton", "--shape", "cpu-small"])
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,precision_follows", [(None, True), ("--hf", False), ("--parts", False),
+                                                    ("--moe", False), ("--recipes", False)])
+def test_dev_bench_runs_precision_after_the_plain_bench_only(flag, precision_follows, monkeypatch):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "dev.py"
+    spec = importlib.util.spec_from_file_location("moemlp_dev", path)
+    dev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dev)
+    ran = []
+    monkeypatch.setattr(dev, "setup", lambda: None)
+    monkeypatch.setattr(dev, "_run", lambda cmd, **kw: ran.append([str(c) for c in cmd]) or 0)
+    argv = ["bench", *([flag] if flag else []), "--rep-ms", "10", "--out", "o"]
+    if flag == "--moe":
+        argv = ["bench", "--moe", "--out", "o"]
+    assert dev.main(argv) == 0
+    assert [c[3] for c in ran] == (["bench", "precision"] if precision_follows else ["bench"])
+    if precision_follows:
+        assert ran[1][4:] == ["--out", "o"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -16,6 +17,47 @@ def _device(arg: str | None) -> torch.device:
     if arg:
         return torch.device(arg)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _device_arg(arg: str) -> str:
+    """--device: cpu or cuda[:N], checked against this machine."""
+    try:
+        device = torch.device(arg)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {arg!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {arg!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{arg!r}: this torch sees no CUDA device (torch.cuda.is_available() "
+                                             f"is False); run on a machine with a GPU, or use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{arg!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return arg
+
+
+def _positive_int(arg: str) -> int:
+    try:
+        value = int(arg)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {arg!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _check_out(parser: argparse.ArgumentParser, out: str) -> None:
+    """--out before any run: a folder that exists or can be made, and can be written."""
+    if not out:
+        parser.error("--out: expected a folder, got ''")
+    if os.path.exists(out) and not os.path.isdir(out):
+        parser.error(f"--out {out}: exists and is not a folder")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {out}: cannot make the folder ({e.strerror})")
+    if not os.access(out, os.W_OK | os.X_OK):
+        parser.error(f"--out {out}: the folder is not writable")
 
 
 def _shape(arg: str):
@@ -67,11 +109,11 @@ def main(argv=None) -> int:
     from .bench.moe import DEFAULT_EP, ep_sizes
 
     shape_names = list(all_shapes())
-    parser = argparse.ArgumentParser(prog="python -m moemlp", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m moemlp", description=__doc__, allow_abbrev=False)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bench", help="time moemlp against the torch compositions users run")
+    b = sub.add_parser("bench", help="time moemlp against the torch compositions users run", allow_abbrev=False)
     b.add_argument("--moe", action="store_true", help="benchmark the whole MoE layer instead")
-    b.add_argument("--ep", type=ep_sizes, default=DEFAULT_EP, metavar="N,N,...",
+    b.add_argument("--ep", type=ep_sizes, default=None, metavar="N,N,...",
                    help="with --moe: expert-parallel world sizes, comma-separated (default 1,2); "
                         "sizes above the GPU count are skipped")
     b.add_argument("--recipes", action="store_true", help="fp8_block, mxfp8 and nvfp4 beside the bf16 path")
@@ -80,27 +122,47 @@ def main(argv=None) -> int:
                         "--recipes, fp8_block's step part by part (GEMMs and quantizer passes)")
     b.add_argument("--hf", action="store_true",
                    help="a transformers decoder layer and model: the 'moemlp' experts backend against 'grouped_mm'")
-    b.add_argument("--peers", type=_peers, default=DEFAULT_PEERS,
+    b.add_argument("--peers", type=_peers, default=None,
                    help="comma-separated: lean (the _grouped_mm composition users write), compiled (it under "
                         "torch.compile), te (three unfused ops as TransformerEngine on Hopper); default lean,compiled")
-    b.add_argument("--rep-ms", type=int, default=200, help="timing budget per measurement (ms)")
-    p = sub.add_parser("precision", help="relative errors vs float64: the probability contract")
+    b.add_argument("--rep-ms", type=_positive_int, default=None,
+                   help="timing budget per measurement (ms, default 200; not with --moe, which times a fixed count)")
+    p = sub.add_parser("precision", help="relative errors vs float64: the probability contract", allow_abbrev=False)
     for sp in (b, p):
         sp.add_argument("--shape", action="append", type=_shape, metavar="NAME|H,F,E,TOP_K,TOKENS[:SKEW]",
                         help=f"a shape (repeatable): one of {', '.join(shape_names)}, or your own as hidden size, "
                              f"per-expert FFN size, experts, experts a token and tokens, with an optional routing "
                              f"skew (expert e drawn with weight (e + 1)^-SKEW; 0, the default, is uniform), e.g. "
                              f"4096,1536,64,6,8192:1.2; default: every model shape on a GPU, cpu-small on a CPU")
-        sp.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+        sp.add_argument("--device", type=_device_arg, default=None,
+                        help="cuda[:N] or cpu (default: cuda when available)")
         sp.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
         sp.add_argument("--out", default="results", help="folder for CSV and PNG (default: results)")
     args = parser.parse_args(argv)
     device = _device(args.device)
+    if args.backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error(f"--backend triton: Triton runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (slow); "
+                     f"the device is {device}")
 
     if args.cmd == "bench":
         if (args.moe or args.hf) and args.shape:
             parser.error("--shape sets the expert block's shape (bench, --parts, --recipes, precision); "
                          f"{'--moe' if args.moe else '--hf'} runs its own model shapes")
+        modes = [f for f in ("moe", "hf", "recipes", "parts") if getattr(args, f)]
+        if args.moe and args.hf or (args.moe or args.hf) and (args.recipes or args.parts):
+            parser.error(f"--{modes[0]} and --{modes[1]} are separate benches: run one at a time")
+        if args.ep is not None and not args.moe:
+            parser.error("--ep applies to --moe only")
+        if args.peers is not None and modes:
+            parser.error(f"--peers applies to the plain bench only, not --{modes[0]}")
+        if args.rep_ms is not None and args.moe:
+            parser.error("--rep-ms does not apply to --moe, which times a fixed number of steps")
+        args.peers = DEFAULT_PEERS if args.peers is None else args.peers
+        args.ep = DEFAULT_EP if args.ep is None else args.ep
+        args.rep_ms = 200 if args.rep_ms is None else args.rep_ms
+    _check_out(parser, args.out)
+
+    if args.cmd == "bench":
         if args.moe:
             from .bench.moe import run_moe_bench
 
