@@ -108,13 +108,22 @@ class GroupedMLP(nn.Module):
         else:
             self.register_parameter("fc1_bias", None)
             self.register_parameter("fc2_bias", None)
+        # None: the weights are drawn from the global generator. An int (the MoE layer sets its first
+        # global expert under expert parallelism): from a generator seeded with one draw of the global
+        # generator plus this offset, so that ranks seeded alike (as their replicated router needs)
+        # still hold different experts, and replicas of one expert shard the same ones.
+        self.init_offset: Optional[int] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        gen = None
+        if self.init_offset is not None and self.fc1_weight.device.type != "meta":
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+            gen = torch.Generator(device=self.fc1_weight.device).manual_seed(seed + self.init_offset)
         with torch.no_grad():
             for w in (self.fc1_weight, self.fc2_weight):
                 bound = 1.0 / math.sqrt(w.shape[-1])
-                w.uniform_(-bound, bound)
+                w.uniform_(-bound, bound, generator=gen)
             for b in (self.fc1_bias, self.fc2_bias):
                 if b is not None:
                     b.zero_()

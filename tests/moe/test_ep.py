@@ -202,6 +202,24 @@ def _check_bad_ep_arguments(world):
         MoE(hidden_size=8, ffn_hidden_size=8, num_experts=world + 1, top_k=2, ep_group=dist.group.WORLD)
 
 
+def _check_ranks_draw_different_experts(rank, world, device):
+    # Ranks seed alike (the router replica must match); their expert shards must still differ, and
+    # drawing again after the same seed must repeat them.
+    def build():
+        torch.manual_seed(0)
+        return MoE(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, ep_group=dist.group.WORLD,
+                   device=device)
+    moe = build()
+    shards = [torch.empty_like(moe.experts.fc1_weight) for _ in range(world)]
+    dist.all_gather(shards, moe.experts.fc1_weight.detach().contiguous())
+    routers = [torch.empty_like(moe.router.weight) for _ in range(world)]
+    dist.all_gather(routers, moe.router.weight.detach().contiguous())
+    for r in range(1, world):
+        assert torch.equal(routers[r], routers[0]), "the router replicas differ"
+        assert not torch.equal(shards[r], shards[0]), f"ranks 0 and {r} drew the same experts"
+    assert torch.equal(build().experts.fc1_weight, moe.experts.fc1_weight), "the same seed drew other experts"
+
+
 def _gloo_threads() -> list[str]:
     """Threads of this process that belong to a gloo process group (Linux names them)."""
     if not sys.platform.startswith("linux"):
@@ -231,6 +249,7 @@ def _worker(rank, world, port, device_type, dtype, errors):
         ep, x, dy = _check_ep_equals_one_process(rank, world, device, dtype)
         _check_failure_before_exchange(rank, world, ep, x, dy)
         _check_bad_ep_arguments(world)
+        _check_ranks_draw_different_experts(rank, world, device)
         del ep, x, dy
         dist.barrier()  # everything above is done everywhere before a rank stops answering
         if doomed is not None:

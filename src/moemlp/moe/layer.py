@@ -64,7 +64,8 @@ class MoE(nn.Module):
             ``backward()`` (Megatron-Core's MoEAuxLossAutoScaler); values in ``router.aux_loss``
             and ``router.z_loss`` for logging.
         ep_group: a torch.distributed process group of size W for expert parallelism; E must
-            be divisible by W; rank r holds experts [r·E/W, (r+1)·E/W). Every rank routes its
+            be divisible by W; rank r holds experts [r·E/W, (r+1)·E/W), drawn from a generator of
+            their own (seed every rank alike: the router is replicated). Every rank routes its
             own tokens. The row counts are read on the host once per forward (all_to_all_single
             takes Python ints): the one host sync, and only with W > 1.
         recompute_fc1: the experts keep only their input rows for backward and run FC1 again
@@ -249,6 +250,11 @@ class MoE(nn.Module):
             dtype=dtype,
         )
         self.experts = GroupedMLP(num_experts=self.num_local_experts, ffn_hidden_size=ffn_hidden_size, **mlp_options)
+        if ep_size > 1:
+            # Every rank seeds alike (its router replica must match), so drawn as one layer's would be
+            # each rank's experts would be the same values: draw them again from a stream of their own.
+            self.experts.init_offset = self.local_expert_offset
+            self.experts.reset_parameters()
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
         self.pad_to_capacity = pad_to_capacity
