@@ -220,6 +220,22 @@ def _check_ranks_draw_different_experts(rank, world, device):
     assert torch.equal(build().experts.fc1_weight, moe.experts.fc1_weight), "the same seed drew other experts"
 
 
+def _check_ranks_that_disagree(rank, world, device):
+    # Layers built differently, and inputs that need a gradient on some ranks only: a ValueError on
+    # every rank, before any row moves, and the group stays usable.
+    with pytest.raises(ValueError, match=r"built different MoE layers .*ffn_hidden_size \[8, 16"):
+        MoE(hidden_size=H, ffn_hidden_size=8 * (1 + (rank > 0)), num_experts=E, top_k=K, ep_group=dist.group.WORLD,
+            device=device)
+    torch.manual_seed(0)
+    moe = MoE(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, ep_group=dist.group.WORLD, device=device,
+              backend="torch" if device.type == "cpu" else "auto")
+    x = torch.randn(5, H, device=device, requires_grad=rank == 0)
+    with pytest.raises(ValueError, match=r"disagree on which inputs need a gradient .*\['x, probs', 'probs'"):
+        moe(x)
+    y = moe(x.detach().requires_grad_())  # the same layer and group, now in agreement
+    y.sum().backward()
+
+
 def _gloo_threads() -> list[str]:
     """Threads of this process that belong to a gloo process group (Linux names them)."""
     if not sys.platform.startswith("linux"):
@@ -250,6 +266,7 @@ def _worker(rank, world, port, device_type, dtype, errors):
         _check_failure_before_exchange(rank, world, ep, x, dy)
         _check_bad_ep_arguments(world)
         _check_ranks_draw_different_experts(rank, world, device)
+        _check_ranks_that_disagree(rank, world, device)
         del ep, x, dy
         dist.barrier()  # everything above is done everywhere before a rank stops answering
         if doomed is not None:

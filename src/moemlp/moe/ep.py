@@ -71,6 +71,7 @@ from .dispatch import (
 
 __all__ = [
     "ExpertParallelError",
+    "check_same_options",
     "all_to_all",
     "ep_dispatch",
     "ep_combine",
@@ -192,14 +193,17 @@ def _announce_failure(group, num_experts: int, device: torch.device) -> None:
     dist.all_to_all_single(torch.empty_like(status), status, group=group)
 
 
-def _exchange_counts(send_counts: Tensor, group) -> tuple[Tensor, list[int], list[int]]:
+def _exchange_counts(send_counts: Tensor, group, grads: int = 0) -> tuple[Tensor, list[int], list[int]]:
     """(W, E_local) rows this rank sends per (rank, local expert) -> (recv_counts (W, E_local),
-    send_rows, recv_rows): the counts all_to_all and the one host read, with every rank's status."""
+    send_rows, recv_rows): the counts all_to_all and the one host read, with every rank's status.
+    ``grads``: which of the exchanged rows' tensors need a gradient here (bit 0: x, bit 1: probs),
+    riding in the status above its failure bit: the exchanges' backward runs only where they do, so
+    ranks that disagree would pair their collectives wrongly."""
     W, E_local = send_counts.shape
     active = _ACTIVE_EXCHANGE.get()
     if active is not None:
         active._mark_reached()  # from here on a failure cannot be announced, only timed out
-    status = torch.full((W, 1), _STATUS_OK, dtype=send_counts.dtype, device=send_counts.device)
+    status = torch.full((W, 1), _STATUS_OK | grads << 1, dtype=send_counts.dtype, device=send_counts.device)
     send = torch.cat((send_counts, status), 1)
     recv = torch.empty_like(send)
     # The counts travel on the device of the process group's backend (CPU for gloo, CUDA for NCCL).
@@ -209,13 +213,34 @@ def _exchange_counts(send_counts: Tensor, group) -> tuple[Tensor, list[int], lis
     # status rides along in the same read.
     host = torch.cat((send_counts.sum(1), recv_counts.sum(1), recv[:, E_local])).tolist()
     send_rows, recv_rows, statuses = host[:W], host[W : 2 * W], host[2 * W :]
-    failed = [w for w, s in enumerate(statuses) if s != _STATUS_OK]
+    failed = [w for w, s in enumerate(statuses) if s & _STATUS_FAILED]
     if failed:
         raise ExpertParallelError(
             f"expert parallelism: rank(s) {failed} of the ep_group raised before the row exchange "
             f"(their own errors are in their processes); no rows were exchanged, the group is still usable"
         )
+    flags = [s >> 1 for s in statuses]
+    if len(set(flags)) > 1:
+        what = [", ".join(n for b, n in ((1, "x"), (2, "probs")) if f & b) or "nothing" for f in flags]
+        raise ValueError(
+            f"expert parallelism: the ranks disagree on which inputs need a gradient (rank order: {what}); every "
+            f"rank's backward must run the same exchanges. No rows were exchanged, the group is still usable"
+        )
     return recv_counts, send_rows, recv_rows
+
+
+def check_same_options(group, options: dict) -> None:
+    """At construction: every rank of the ep_group built the same layer (one all_gather_object).
+    Rows of another width or dtype would break the exchange or be misread, and other options would
+    give each rank another function; a ValueError on every rank names what differs."""
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, options, group=group)
+    differ = {k: [o.get(k) for o in every] for k in options if any(o.get(k) != options[k] for o in every)}
+    if differ:
+        raise ValueError(
+            "ep_group: the ranks built different MoE layers (values in rank order): "
+            + "; ".join(f"{k} {v}" for k, v in differ.items())
+        )
 
 
 class EPState(NamedTuple):
@@ -250,7 +275,8 @@ def ep_dispatch(
             plan = plan_dispatch(expert_idx, num_experts)
         x_perm = permute(x, plan, triton)  # rows sorted by expert = by destination rank
         probs_perm = permute_probs(probs, plan)
-        recv_counts, send_rows, recv_rows = _exchange_counts(plan.splits.view(W, E_local), group)
+        grads = int(x.requires_grad) | int(probs.requires_grad) << 1 if torch.is_grad_enabled() else 0
+        recv_counts, send_rows, recv_rows = _exchange_counts(plan.splits.view(W, E_local), group, grads)
     if sum(send_rows) != x_perm.shape[0]:  # a capacity plan: the dropped rows past Σsplits stay home
         x_perm, probs_perm = x_perm[: sum(send_rows)], probs_perm[: sum(send_rows)]
 

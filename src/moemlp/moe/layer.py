@@ -20,10 +20,18 @@ from .dispatch import (
     plan_dispatch_with_capacity,
     use_triton,
 )
-from .ep import ep_failure_exchange, expert_parallel_moe_forward
+from .ep import check_same_options, ep_failure_exchange, expert_parallel_moe_forward
 from .router import Router, SharedExpertGate, _check_positive_int
 
 __all__ = ["MoE"]
+
+
+def _recipe_key(recipe) -> Optional[str]:
+    """A recipe name or object as the key both spell alike (ranks may give either)."""
+    from ..recipes import resolve_recipe
+
+    r = resolve_recipe(recipe)
+    return None if r is None else r.key
 
 
 class MoE(nn.Module):
@@ -65,7 +73,8 @@ class MoE(nn.Module):
             and ``router.z_loss`` for logging.
         ep_group: a torch.distributed process group of size W for expert parallelism; E must
             be divisible by W; rank r holds experts [r·E/W, (r+1)·E/W), drawn from a generator of
-            their own (seed every rank alike: the router is replicated). Every rank routes its
+            their own (seed every rank alike: the router is replicated). Construction is collective
+            (one all_gather of the options: ranks that differ get a ValueError). Every rank routes its
             own tokens. The row counts are read on the host once per forward (all_to_all_single
             takes Python ints): the one host sync, and only with W > 1.
         recompute_fc1: the experts keep only their input rows for backward and run FC1 again
@@ -268,6 +277,17 @@ class MoE(nn.Module):
             self.shared_experts = None
         self.shared_expert_gate = SharedExpertGate(hidden_size, device=device) if shared_expert_gate else None
         self.shared_expert_overlap = shared_expert_overlap
+        if ep_size > 1:
+            check_same_options(ep_group, dict(
+                num_experts=num_experts, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size, top_k=top_k,
+                dtype=str(self.experts.fc1_weight.dtype), activation=activation,
+                activation_params=dict(activation_params or {}), score=score, normalize_topk=normalize_topk,
+                expert_bias=expert_bias, num_groups=num_groups, topk_groups=topk_groups,
+                routed_scaling_factor=float(routed_scaling_factor), capacity_factor=capacity_factor,
+                drop_policy=drop_policy, num_shared_experts=num_shared_experts,
+                shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size,
+                shared_expert_gate=shared_expert_gate, recipe=_recipe_key(recipe),
+            ))
 
     def replicated_parameters(self) -> list[nn.Parameter]:
         """The parameters every expert-parallel rank holds in full (router, shared experts, their
