@@ -367,6 +367,7 @@ def check_tensor_amaxes(device: str) -> None:
             assert got_all.shape == got_routed.shape == () and got_all.dtype == torch.float32, what
             assert torch.equal(got_all.cpu(), want_all) and torch.equal(got_routed.cpu(), want_routed), what
             assert torch.equal(kq.tensor_amax(xd).cpu(), want_all), what
+            assert torch.equal(kq.routed_amax(xd, sd).cpu(), want_routed), what
             # the wgrad pass's own amax of the same rows: what the backward would compute
             pass_amax = kq._wgrad_launch(xd, sd, r, False, None)[3]
             assert torch.equal(pass_amax.cpu(), want_routed), what

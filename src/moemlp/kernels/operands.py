@@ -122,7 +122,7 @@ def takes_routed_amax(recipe) -> bool:
 
 def act(t: Tensor, recipe, splits: Tensor) -> ActOperand:
     """t's operand for a GEMM that reads it along K, t's rows grouped by expert by ``splits``. Under
-    nvfp4 the per-tensor amax is that of t's rows below Σsplits (``tensor_amaxes``' second), as the
+    nvfp4 the per-tensor amax is that of t's rows below Σsplits (``routed_amax``), as the
     reference quantizes only the routed rows: capacity rows belong to no expert (SPEC §1), so
     whatever they hold moves no routed row's result. For ``takes_routed_amax`` recipes that amax is
     also the one the backward's weight-gradient operand of the same t takes (``wgrad``'s
@@ -130,7 +130,7 @@ def act(t: Tensor, recipe, splits: Tensor) -> ActOperand:
     if recipe is None:
         return ActOperand(t)
     if not is_native(recipe):
-        routed = kq.tensor_amaxes(t, splits)[1] if recipe.name == "nvfp4" else None
+        routed = kq.routed_amax(t, splits) if recipe.name == "nvfp4" else None
         values, factor = kq.dequantized(t, recipe, axis=-1, out_dtype=torch.bfloat16, tiny_blocks_exact=False,
                                         amax=routed)  # fmt: skip
         return ActOperand(values, factor=factor, routed_amax=routed if takes_routed_amax(recipe) else None)

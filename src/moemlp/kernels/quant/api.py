@@ -112,6 +112,14 @@ def tensor_amaxes(x: Tensor, splits: Tensor) -> tuple[Tensor, Tensor]:
     return partial.amax(), routed.amax()
 
 
+def routed_amax(x: Tensor, splits: Tensor) -> Tensor:
+    """``tensor_amaxes(x, splits)[1]`` alone, the same bits: the tensor amax of x's rows below
+    Σsplits, nvfp4's for every operand of the MLP (capacity rows belong to no expert), without the
+    reduction of the all-rows partials."""
+    _check_wgrad(x, splits)
+    return _amax_partials(x, splits)[1].amax()
+
+
 def _vmax(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
