@@ -359,3 +359,15 @@ def test_dev_bench_runs_precision_after_the_plain_bench_only(flag, precision_fol
     assert [c[3] for c in ran] == (["bench", "precision"] if precision_follows else ["bench"])
     if precision_follows:
         assert ran[1][4:] == ["--out", "o"]
+
+
+def test_hf_bench_without_transformers_is_refused(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--hf", "--device", "cpu"])
+    assert info.value.code == 2
+    assert "--hf needs the transformers package" in capsys.readouterr().err

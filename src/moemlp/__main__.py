@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -157,6 +158,8 @@ def main(argv=None) -> int:
             parser.error(f"--peers applies to the plain bench only, not --{modes[0]}")
         if args.rep_ms is not None and args.moe:
             parser.error("--rep-ms does not apply to --moe, which times a fixed number of steps")
+        if args.hf and importlib.util.find_spec("transformers") is None:
+            parser.error("--hf needs the transformers package (pip install transformers)")
         args.peers = DEFAULT_PEERS if args.peers is None else args.peers
         args.ep = DEFAULT_EP if args.ep is None else args.ep
         args.rep_ms = 200 if args.rep_ms is None else args.rep_ms
