@@ -480,6 +480,10 @@ def test_register_validates():
     with pytest.raises(ValueError, match="recipe"):
         mh.register("moemlp_x", recipe="fp4")
     assert "moemlp" in ALL_EXPERTS_FUNCTIONS
+    with pytest.raises(ValueError, match="fallback") as info:  # another moemlp registration is no fallback
+        mh.register("moemlp_x", fallback="moemlp")
+    known = str(info.value).split(", got")[0]
+    assert "'grouped_mm'" in known and "moemlp" not in known
 
 
 def test_routing_inputs_validated():
@@ -492,6 +496,8 @@ def test_routing_inputs_validated():
         mh.experts_forward(experts, x, index.double(), weights)
     with pytest.raises(ValueError, match="hidden_states"):
         mh.experts_forward(experts, x[:, :-1], index, weights)
+    with pytest.raises(ValueError, match="top_k_index: expected at least one slot"):
+        mh.experts_forward(experts, x, index[:, :0], weights[:, :0])
 
 
 @pytest.mark.long(seconds=50)
@@ -562,6 +568,8 @@ _GENERIC_EXPERTS_CONFIG = dict(
     moe_ffn_hidden_size=16, moe_latent_size=None, mlp_bias=False, hidden_act="silu", mlp_hidden_act="relu2",
     hidden_activation="gelu_pytorch_tanh", swiglu_limit=7.0, swiglu_alpha=1.702, mlp_gate_softcap=4.0,
     mlp_up_softcap=25.0, moe_hidden_size=HIDDEN, post_norm_eps=1e-6,
+    swiglu_limits=[7.0], swiglu_limits_shared=[7.0], limit_after_act=False, rms_norm_eps=1e-6,
+    expert_ffn_hidden_size=16,
 )
 
 
@@ -596,7 +604,13 @@ def test_every_installed_experts_class_matches_batched_mm():
     does not implement (5.24: has_post_expert_norm) must be the ones that raise."""
     mismatched, unmapped, refused, built = [], [], [], 0
     for cls in _installed_experts_classes():
-        experts = cls(transformers.PretrainedConfig(**_GENERIC_EXPERTS_CONFIG)).double()
+        config = transformers.PretrainedConfig(**_GENERIC_EXPERTS_CONFIG)
+        try:
+            experts = cls(config).double()
+        except TypeError as e:  # 5.25: BailingHybridExperts also takes its layer's index
+            if "layer_idx" not in str(e):
+                raise
+            experts = cls(config, layer_idx=0).double()
         built += 1
         g = torch.Generator().manual_seed(5)
         with torch.no_grad():
@@ -621,14 +635,23 @@ def test_every_installed_experts_class_matches_batched_mm():
         ref = ALL_EXPERTS_FUNCTIONS["batched_mm"](experts, x, index, weights)
         leaves = [x, *experts.parameters()]
         dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
-        errs = [_rel(y, ref)] + [_rel(a, b) for a, b in zip(torch.autograd.grad(y, leaves, dy),
-                                                            torch.autograd.grad(ref, leaves, dy))]
+        # allow_unused: a parameter neither path reads (5.25's LongcatFlash keeps its norms there)
+        # gets None from both; one path reading it and the other not is a mismatch.
+        got = torch.autograd.grad(y, leaves, dy, allow_unused=True)
+        want = torch.autograd.grad(ref, leaves, dy, allow_unused=True)
+        errs = [_rel(y, ref)] + [float("inf") if (a is None) != (b is None) else _rel(a, b)
+                                 for a, b in zip(got, want) if a is not None or b is not None]
         if max(errs) > tol:
             mismatched.append((cls.__name__, max(errs)))
     assert built >= 20  # the discovery found the interface's classes (27 in 5.7, 56 in 5.17)
     assert mismatched == []
-    # with hidden_act="silu" every installed gate has a moemlp activation
-    assert unmapped == refused
+    # With hidden_act="silu" every installed gate has a moemlp activation, but the SiLU gates clamped
+    # after the activation, min(silu(g), L) · clamp(u, ±L) (5.25's Step3p7 and BailingHybrid; moemlp
+    # clamps before it), which must be refused, not mapped.
+    assert [c for c in unmapped if c not in _CLAMPED_AFTER_ACT] == refused
+
+
+_CLAMPED_AFTER_ACT = ("Step3p7Experts", "BailingHybridExperts")
 
 
 def test_unmapped_experts_option_raises(monkeypatch):
@@ -669,3 +692,107 @@ def test_recipe_reaches_grouped_mlp(family):
                        glu_interleave=m.glu_interleave, scale_fc2_bias=True, recipe="fp8_block")
     torch.testing.assert_close(y, unpermute(rows, plan), rtol=0, atol=0)
     assert not torch.equal(y, mh.experts_forward(experts, x, index, weights))
+
+
+class _ClippedExperts(torch.nn.Module):
+    """A custom experts module (trust_remote_code style) with a clamped SwiGLU gate whose limit sits
+    under an attribute name the mapping does not read."""
+
+    def __init__(self, clip: float):
+        super().__init__()
+        g = torch.Generator().manual_seed(6)
+        self.num_experts, self.clip = 4, clip
+        self.is_transposed, self.has_bias = False, False
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 32, HIDDEN, generator=g, dtype=torch.float64))
+        self.down_proj = torch.nn.Parameter(torch.randn(4, HIDDEN, 16, generator=g, dtype=torch.float64))
+        self.act_fn = torch.nn.SiLU()
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate.clamp(max=self.clip)) * up.clamp(-self.clip, self.clip)
+
+
+@pytest.mark.parametrize("clip", [7.0, 10.0, 100.0, 5000.0])
+def test_clamp_under_an_unknown_name_is_refused(clip):
+    """A clamp the mapping cannot name is never taken for the unclamped gate, wherever it sits: the
+    probe reaches magnitudes of 1e4 (it reached 8 only, and a clamp at 10 passed for swiglu)."""
+    with pytest.raises(ValueError, match="_ClippedExperts: its _apply_gate matches no moemlp activation"):
+        mh.resolve_experts(_ClippedExperts(clip))
+
+
+def test_gate_changes_after_the_first_forward_are_seen():
+    """The mapping cache is keyed on what the gate is made of: an _apply_gate set on the instance
+    after a forward, and an act_fn replaced twice between forwards (the second object may take the
+    first one's id), are mapped again, not run with the old mapping."""
+    import types
+
+    def erf_gelu_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.gelu(gate) * up
+
+    x = torch.randn(6, HIDDEN, dtype=torch.float64)
+    index, weights = _routing(6, 2, 8)
+    experts = _experts("qwen3_moe")
+    mh.experts_forward(experts, x, index, weights)  # mapped: swiglu
+    experts._apply_gate = types.MethodType(erf_gelu_gate, experts)
+    with pytest.raises(ValueError, match="Qwen3MoeExperts: its _apply_gate matches no moemlp activation"):
+        mh.experts_forward(experts, x, index, weights)
+
+    experts = _experts("qwen3_moe")
+    mh.experts_forward(experts, x, index, weights)
+    experts.act_fn = torch.nn.Tanh()
+    experts.act_fn = torch.nn.GELU()  # erf GELU: no moemlp activation
+    with pytest.raises(ValueError, match="Qwen3MoeExperts: its _apply_gate matches no moemlp activation"):
+        mh.experts_forward(experts, x, index, weights)
+
+    # An override that matches is mapped, and the cache does not keep its module alive.
+    import gc
+    import weakref
+
+    def silu_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    experts = _experts("qwen3_moe")
+    experts._apply_gate = types.MethodType(silu_gate, experts)
+    y = mh.experts_forward(experts, x, index, weights)
+    assert _rel(y, ALL_EXPERTS_FUNCTIONS["batched_mm"](experts, x, index, weights)) <= 1e-12
+    alive = weakref.ref(experts)
+    del experts
+    gc.collect()
+    assert alive() is None
+
+
+def test_fallback_under_compile_fullgraph():
+    """With register(fallback=...), a model compiled with fullgraph=True: unmappable modules that
+    prepare(strict=False) left out run on the fallback inside the trace (no warning there, which
+    dynamo cannot trace); a module met first inside the trace raises the error that says to call
+    prepare, instead of running on the fallback unseen."""
+    fn = mh.register("moemlp_or_grouped_mm_compiled", fallback="grouped_mm")
+    cfg_name, kw, _, _, _ = FAMILIES["qwen3_moe"]
+    unmappable = transformers.Qwen3MoeForCausalLM(getattr(transformers, cfg_name)(**_COMMON, **{**kw, "hidden_act":
+                                                                                               "gelu"}))
+    experts = unmappable.model.layers[0].mlp.experts
+    assert mh.prepare(unmappable, strict=False) == {}
+    x = torch.randn(6, HIDDEN)
+    index, weights = _routing(6, 2, 8)
+    weights = weights.float()
+    traced = torch.compile(lambda *a: fn(*a), backend="eager", fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = traced(experts, x, index, weights)
+    torch.testing.assert_close(y, ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, x, index, weights), rtol=0, atol=0)
+
+    torch._dynamo.reset()
+    mappable = _model("qwen3_moe", torch.float32).model.layers[1].mlp.experts
+    with pytest.raises(Exception, match="prepare"):
+        traced(mappable, x, index, weights)
+
+
+def test_quantized_expert_weights_refused():
+    """FP8 expert weights (a quantized checkpoint's) are refused by name, not cast to."""
+    experts = _experts("qwen3_moe", torch.bfloat16)
+    experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach().to(torch.float8_e4m3fn),
+                                              requires_grad=False)
+    with pytest.raises(ValueError, match=r"Qwen3MoeExperts\.gate_up_proj: torch\.float8_e4m3fn weights"):
+        mh.resolve_experts(experts)

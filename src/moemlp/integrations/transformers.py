@@ -132,6 +132,13 @@ def _layout(module) -> tuple[str, bool, bool, int, int]:
         raise ValueError(
             f"{cls}: expected 3-D {fc1_name} and down_proj, got shapes {tuple(fc1.shape)} and {tuple(fc2.shape)}"
         )
+    for name, t in ((fc1_name, fc1), ("down_proj", fc2)):
+        if t.dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"{cls}.{name}: {t.dtype} weights; moemlp takes float64, float32, bfloat16 or float16 experts "
+                f"(a quantized checkpoint's experts, e.g. FP8 with *_scale_inv tensors, are not covered: load "
+                f"the model in bf16, or use experts_implementation='grouped_mm')"
+            )
     E = fc1.shape[0]
     if transposed:
         H, N1 = fc1.shape[1:]
@@ -175,10 +182,16 @@ def _gate_candidates(module, has_gate: bool) -> list[tuple[str, tuple[tuple[str,
 
 
 def _probe(width: int, scale: float) -> Tensor:
-    """(16, width) float64: half uniform in [-scale, scale] (past every clamp), half standard normal."""
+    """(20, width) float64: 8 rows uniform in [-scale, scale] (past the module's known clamp), 8
+    standard normal, and 4 of magnitudes 1 to 1e4 spread log-uniformly with random signs, so that a
+    clamp held where the mapping does not look (an attribute of another name, a tensor) shows as a
+    mismatch instead of passing for the unclamped gate."""
     g = torch.Generator().manual_seed(0)
     wide = (torch.rand(8, width, generator=g, dtype=torch.float64) * 2 - 1) * scale
-    return torch.cat([wide, torch.randn(8, width, generator=g, dtype=torch.float64)])
+    normal = torch.randn(8, width, generator=g, dtype=torch.float64)
+    sign = torch.randint(0, 2, (4, width), generator=g).to(torch.float64) * 2 - 1
+    far = sign * 10.0 ** (4 * torch.rand(4, width, generator=g, dtype=torch.float64))
+    return torch.cat([wide, normal, far])
 
 
 def _same(ours: Tensor, theirs) -> bool:
@@ -224,16 +237,33 @@ def _resolve(module) -> ExpertsMapping:
     )
 
 
-# module -> (signature, mapping or the message of the ValueError it raised); recomputed when the
-# signature changes. A message, not the exception: its traceback would hold the module and keep the
-# weak key alive.
+# module -> (signature, mapping or the message of the ValueError it raised, the gate objects whose
+# ids the signature holds); recomputed when the signature changes. A message, not the exception: its
+# traceback would hold the module and keep the weak key alive. The gate objects are held so that their
+# ids cannot be reused by a replacement while the entry stands.
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _NotResolvedError(ValueError):
+    """A module met first inside a torch.compile trace: never run on a fallback instead."""
 
 
 def _act_id(module):
     # torch 2.11's dynamo cannot trace id(None): a gate-less module has no act_fn.
     act = getattr(module, "act_fn", None)
     return None if act is None else id(act)
+
+
+def _gate_override(module):
+    """The function of an ``_apply_gate`` set on the instance (over the class's), or None: a bound
+    method's function, which (unlike the method) holds no reference to the module."""
+    f = vars(module).get("_apply_gate")
+    return getattr(f, "__func__", f)
+
+
+def _gate_override_id(module):
+    f = _gate_override(module)
+    return None if f is None else id(f)
 
 
 def _signature(module) -> tuple:
@@ -248,6 +278,7 @@ def _signature(module) -> tuple:
         getattr(module, "has_bias", False),
         tuple(getattr(module, flag, default) for flag, default in _OTHER_FLAGS.items()),
         getattr(type(module), "_apply_gate", None),
+        _gate_override_id(module),
         _act_id(module),
         tuple(getattr(module, a, None) for a in _LIMIT_ATTRS + _ALPHA_ATTRS),
         tuple(getattr(getattr(getattr(module, "act_fn", None), cap, None), "softcap", None)
@@ -255,28 +286,35 @@ def _signature(module) -> tuple:
     )
 
 
-def resolve_experts(module) -> ExpertsMapping:
-    """How ``module`` (a transformers experts module) maps onto ``moemlp.grouped_mlp``; cached per
-    module. Raises ValueError naming the module when its layout or gate has no moemlp equivalent."""
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"module: expected a torch.nn.Module (an experts module), got {type(module).__name__}")
+def _lookup(module):
+    """The module's mapping, or the message of the ValueError its mapping raised (cached)."""
     sig = _signature(module)
     hit = _CACHE.get(module)
     if hit is None or hit[0] != sig:
         if torch.compiler.is_compiling():
             # The probe reads values on the host (allclose), which a graph cannot hold.
-            raise ValueError(
+            raise _NotResolvedError(
                 f"{type(module).__name__}: not resolved yet; call moemlp.integrations.transformers.prepare(model) "
                 f"(or run one forward) before torch.compile"
             )
         try:
-            hit = (sig, _resolve(module))
+            mapping = _resolve(module)
         except ValueError as e:
-            hit = (sig, str(e))
+            mapping = str(e)
+        hit = (sig, mapping, (getattr(module, "act_fn", None), _gate_override(module)))
         _CACHE[module] = hit
-    if isinstance(hit[1], str):
-        raise ValueError(hit[1])
     return hit[1]
+
+
+def resolve_experts(module) -> ExpertsMapping:
+    """How ``module`` (a transformers experts module) maps onto ``moemlp.grouped_mlp``; cached per
+    module. Raises ValueError naming the module when its layout or gate has no moemlp equivalent."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module: expected a torch.nn.Module (an experts module), got {type(module).__name__}")
+    mapping = _lookup(module)
+    if isinstance(mapping, str):
+        raise ValueError(mapping)
+    return mapping
 
 
 def prepare(model: torch.nn.Module, *, strict: bool = True) -> dict[str, ExpertsMapping]:
@@ -350,6 +388,8 @@ def _check_routing(hidden_states, top_k_index, hidden: int) -> None:
             f"top_k_index: expected a tensor on {hidden_states.device} (hidden_states' device), "
             f"got {top_k_index.device}"
         )
+    if top_k_index.shape[1] == 0:
+        raise ValueError(f"top_k_index: expected at least one slot a token, got shape {tuple(top_k_index.shape)}")
 
 
 def _run(module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, m: ExpertsMapping,
@@ -402,14 +442,18 @@ def _make_forward(recipe, backend: str, fallback: Optional[str]) -> Callable:
     def moemlp_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """transformers experts backend: (tokens, H) hidden states, (tokens, k) expert indices and
         (tokens, k) or (tokens, E) routing weights -> (tokens, H) in hidden_states' dtype."""
-        try:
-            mapping = resolve_experts(self)
-        except ValueError as e:
+        # A module met first inside a torch.compile trace raises (_NotResolvedError: call prepare()),
+        # whatever the fallback: running it there would hide that its mapping was never tried.
+        mapping = _lookup(self)
+        if isinstance(mapping, str):
             if fallback is None:
-                raise
-            if type(self) not in warned:
+                raise ValueError(mapping)
+            # No warning inside a trace (dynamo cannot trace warnings.warn); an eager forward or
+            # prepare(strict=False) shows which modules are left out.
+            if not torch.compiler.is_compiling() and type(self) not in warned:
                 warned.add(type(self))
-                warnings.warn(f"moemlp: {e}; running {type(self).__name__} on {fallback!r} instead", stacklevel=2)
+                warnings.warn(f"moemlp: {mapping}; running {type(self).__name__} on {fallback!r} instead",
+                              stacklevel=2)
             return ALL_EXPERTS_FUNCTIONS[fallback](self, hidden_states, top_k_index, top_k_weights)
         return _run(self, hidden_states, top_k_index, top_k_weights, mapping, recipe, backend)
 
@@ -418,6 +462,9 @@ def _make_forward(recipe, backend: str, fallback: Optional[str]) -> Callable:
 
 #: The backend with default options (recipe None, backend "auto", no fallback), for registering by hand.
 experts_forward = _make_forward(None, "auto", None)
+
+# The names register() has taken: a fallback is one of transformers' backends, not another moemlp one.
+_REGISTERED: set = set()
 
 
 def register(name: str = "moemlp", *, recipe=None, backend: str = "auto", fallback: Optional[str] = None) -> Callable:
@@ -430,8 +477,15 @@ def register(name: str = "moemlp", *, recipe=None, backend: str = "auto", fallba
         recipe: passed to grouped_mlp: None, "fp8_block", "mxfp8", "nvfp4" or a recipe object.
         backend: "auto", "torch" or "triton", for grouped_mlp and the dispatch gathers.
         fallback: None (an experts module moemlp cannot map raises ValueError), or the name of a
-            registered transformers backend ("grouped_mm", "batched_mm") that such modules run on,
-            with one warning per module class.
+            registered transformers backend ("grouped_mm", "batched_mm"; not another moemlp
+            registration) that such modules run on, with one warning per module class at its first
+            eager forward (none inside a torch.compile trace: ``prepare(model, strict=False)`` lists
+            the modules it maps). Under torch.compile, call ``prepare`` first: a module met first in
+            the trace raises ValueError, fallback or not.
+
+    Experts with quantized weights (an FP8 checkpoint's, with ``*_scale_inv`` tensors) are refused
+    with a ValueError; transformers runs those through its own FP8 experts registry, which this does
+    not register with.
 
     Returns:
         The registered forward function.
@@ -451,11 +505,12 @@ def register(name: str = "moemlp", *, recipe=None, backend: str = "auto", fallba
     if fallback is not None:
         if not isinstance(fallback, str):
             raise TypeError(f"fallback: expected None or a str, got {type(fallback).__name__}")
-        if fallback == name or fallback not in ALL_EXPERTS_FUNCTIONS:
-            known = sorted(k for k in ALL_EXPERTS_FUNCTIONS if k != name)
+        if fallback == name or fallback in _REGISTERED or fallback not in ALL_EXPERTS_FUNCTIONS:
+            known = sorted(k for k in ALL_EXPERTS_FUNCTIONS if k != name and k not in _REGISTERED)
             raise ValueError(f"fallback: expected None or one of {known}, got {fallback!r}")
     forward = experts_forward if (recipe, backend, fallback) == (None, "auto", None) else _make_forward(
         recipe, backend, fallback
     )
     ExpertsInterface.register(name, forward)
+    _REGISTERED.add(name)
     return forward
