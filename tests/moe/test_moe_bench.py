@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from moemlp.bench.moe import DEFAULT_EP, LEAN_TOLERANCE, _check_lean, ep_sizes, run_moe_bench
+from moemlp.bench.moe import DEFAULT_EP, LEAN_TOLERANCE, _check_lean, run_moe_bench
 from moemlp.bench.peers import LeanMoE
 from moemlp.moe import MoE
 
@@ -102,16 +102,19 @@ def test_lean_check_fails_loudly():
         _check_lean(moe, lean, torch.randn(32, 64).to(torch.bfloat16))
 
 
-def test_ep_argument(capsys):
-    """The --ep line as src/moemlp/__main__.py adds it to the bench parser."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--ep", type=ep_sizes, default=DEFAULT_EP, metavar="N,N,...",
-                        help="with --moe: expert-parallel world sizes, comma-separated (default 1,2); "
-                             "sizes above the GPU count are skipped")
-    assert parser.parse_args([]).ep == [1, 2]
-    assert parser.parse_args(["--ep", "1,2,4,8"]).ep == [1, 2, 4, 8]
-    assert parser.parse_args(["--ep", "2,2,1"]).ep == [2, 1]
+def test_ep_argument(capsys, monkeypatch, tmp_path):
+    """The CLI's --ep: parsed by ep_sizes, DEFAULT_EP when left out, bad lists refused."""
+    from moemlp import __main__ as cli
+    from moemlp.bench import moe as moe_bench
+
+    seen = []
+    monkeypatch.setattr(moe_bench, "run_moe_bench", lambda args: seen.append(args.ep))
+    argv = ["bench", "--moe", "--device", "cpu", "--out", str(tmp_path)]
+    for extra, want in (([], DEFAULT_EP), (["--ep", "1,2,4,8"], [1, 2, 4, 8]), (["--ep", "2,2,1"], [2, 1])):
+        assert cli.main(argv + extra) == 0
+        assert seen.pop() == want
+    assert DEFAULT_EP == [1, 2]
     for bad in ("", "0", "1,x", "-2"):
         with pytest.raises(SystemExit):
-            parser.parse_args(["--ep", bad])
+            cli.main(argv + ["--ep", bad])
         assert "expected comma-separated positive ints" in capsys.readouterr().err
