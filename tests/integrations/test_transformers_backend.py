@@ -770,8 +770,8 @@ def test_fallback_under_compile_fullgraph():
     prepare, instead of running on the fallback unseen."""
     fn = mh.register("moemlp_or_grouped_mm_compiled", fallback="grouped_mm")
     cfg_name, kw, _, _, _ = FAMILIES["qwen3_moe"]
-    unmappable = transformers.Qwen3MoeForCausalLM(getattr(transformers, cfg_name)(**_COMMON, **{**kw, "hidden_act":
-                                                                                               "gelu"}))
+    config = getattr(transformers, cfg_name)(**_COMMON, **{**kw, "hidden_act": "gelu"})
+    unmappable = transformers.Qwen3MoeForCausalLM(config)
     experts = unmappable.model.layers[0].mlp.experts
     assert mh.prepare(unmappable, strict=False) == {}
     x = torch.randn(6, HIDDEN)

@@ -258,18 +258,15 @@ class MoE(nn.Module):
             device=device,
             dtype=dtype,
         )
+        # Under expert parallelism every rank seeds alike (its router replica must match), so drawn as
+        # one layer's would be each rank's experts would be the same values: they are drawn once, from a
+        # stream of their own (built on the meta device, then given storage).
+        self.experts = GroupedMLP(num_experts=self.num_local_experts, ffn_hidden_size=ffn_hidden_size,
+                                  **{**mlp_options, "device": "meta" if ep_size > 1 else device})
         if ep_size > 1:
-            # Every rank seeds alike (its router replica must match), so drawn as one layer's would be
-            # each rank's experts would be the same values: they are drawn from a stream of their own,
-            # once (built on the meta device, then given storage).
-            self.experts = GroupedMLP(num_experts=self.num_local_experts, ffn_hidden_size=ffn_hidden_size,
-                                      **{**mlp_options, "device": "meta"})
             self.experts.init_offset = self.local_expert_offset
             self.experts.to_empty(device=torch.get_default_device() if device is None else device)
             self.experts.reset_parameters()
-        else:
-            self.experts = GroupedMLP(num_experts=self.num_local_experts, ffn_hidden_size=ffn_hidden_size,
-                                      **mlp_options)
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
         self.pad_to_capacity = pad_to_capacity
