@@ -382,6 +382,27 @@ def _dense_weight(w: Tensor, recipe) -> Tensor:
     return w.contiguous()
 
 
+def _main_grad_weights(fc1_weight: Tensor, fc2_weight: Tensor, owner: str = "") -> tuple | None:
+    """The weights whose gradient a backward adds into ``.main_grad`` (accumulate_into_main_grad):
+    those that require grad while grad is enabled (the caller's own tensors, not the contiguous copies
+    the op may run on), None in the place of the others, or None when there are none. Each must hold
+    a float32 ``main_grad`` of its shape on its device: anything else is an error naming it, prefixed
+    by ``owner`` (a module's path, such as ``"shared_experts."``)."""
+    grads = torch.is_grad_enabled()
+    params = tuple(w if grads and w.requires_grad else None for w in (fc1_weight, fc2_weight))
+    for name, w in zip((f"{owner}fc1_weight", f"{owner}fc2_weight"), params):
+        if w is None:
+            continue
+        mg = getattr(w, "main_grad", None)
+        if not isinstance(mg, Tensor):
+            raise ValueError(f"{name}: accumulate_into_main_grad needs a tensor {name}.main_grad")
+        if mg.shape != w.shape:
+            raise ValueError(f"{name}.main_grad: expected shape {tuple(w.shape)}, got {tuple(mg.shape)}")
+        if mg.dtype != torch.float32 or mg.device != w.device:
+            raise TypeError(f"{name}.main_grad: expected float32 on {w.device}, got {mg.dtype} on {mg.device}")
+    return None if all(w is None for w in params) else params
+
+
 def grouped_mlp(
     x: Tensor,
     splits: Tensor,
@@ -491,27 +512,7 @@ def grouped_mlp(
     for name, flag in (("recompute_fc1", recompute_fc1), ("accumulate_into_main_grad", accumulate_into_main_grad)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-    main_grad_params = None
-    if accumulate_into_main_grad:
-        # The weights a backward will give a gradient: those need a main_grad (the caller's own
-        # tensors, not the contiguous copies the op may run on). Frozen weights, and calls under
-        # no_grad / inference_mode, need none.
-        grads = torch.is_grad_enabled()
-        main_grad_params = tuple(w if grads and w.requires_grad else None for w in (fc1_weight, fc2_weight))
-        for name, w in zip(("fc1_weight", "fc2_weight"), main_grad_params):
-            if w is None:
-                continue
-            mg = getattr(w, "main_grad", None)
-            if not isinstance(mg, Tensor):
-                raise ValueError(f"{name}: accumulate_into_main_grad needs a tensor {name}.main_grad")
-            if mg.shape != w.shape:
-                raise ValueError(f"{name}.main_grad: expected shape {tuple(w.shape)}, got {tuple(mg.shape)}")
-            if mg.dtype != torch.float32 or mg.device != w.device:
-                raise TypeError(
-                    f"{name}.main_grad: expected float32 on {w.device}, got {mg.dtype} on {mg.device}"
-                )
-        if all(w is None for w in main_grad_params):
-            main_grad_params = None
+    main_grad_params = _main_grad_weights(fc1_weight, fc2_weight) if accumulate_into_main_grad else None
     if recipe_obj is not None and x.dtype == torch.float64:
         raise TypeError("recipe: block-scaled recipes take bf16, fp16 or fp32 inputs, got float64 x")
     quantized = []

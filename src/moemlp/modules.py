@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ._quantized_weights import quantize_weights
 from ._validate import _COMPUTE_DTYPES
 from .activations import resolve_activation
-from .functional import _BACKENDS, grouped_mlp
+from .functional import _BACKENDS, _main_grad_weights, grouped_mlp
 
 __all__ = ["GroupedMLP"]
 
@@ -95,6 +95,9 @@ class GroupedMLP(nn.Module):
         self.backend = backend
         self.recompute_fc1 = recompute_fc1
         self.accumulate_into_main_grad = accumulate_into_main_grad
+        # This module's path in its parent ("shared_experts."), set by the parent: it prefixes the names
+        # in main_grad errors, which would otherwise not say which module's weight lacks one.
+        self._owner = ""
         # Both weights' GEMM operands under the recipe, set by forward(is_first_microbatch=True); a
         # plain attribute: derived from the weights, so neither a parameter nor a buffer (not saved).
         self.quantized_weights = None
@@ -147,6 +150,8 @@ class GroupedMLP(nn.Module):
         accepted and ignored, so that a training loop can pass it whatever the recipe."""
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch: expected None or a bool, got {type(is_first_microbatch).__name__}")
+        if self.accumulate_into_main_grad and self._owner:
+            _main_grad_weights(self.fc1_weight, self.fc2_weight, self._owner)
         quantized = None
         if is_first_microbatch is not None and self._caches_weights():
             if is_first_microbatch:

@@ -249,6 +249,24 @@ def test_accumulate_into_main_grad():
     torch.testing.assert_close(w2.main_grad.bfloat16(), ref.experts.fc2_weight.grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("missing", ["experts.fc1_weight", "experts.fc2_weight", "shared_experts.fc1_weight",
+                                     "shared_experts.fc2_weight"])
+def test_main_grad_missing_names_the_module(missing):
+    """With accumulate_into_main_grad, a weight without a main_grad is an error that names its
+    module's path: the routed experts' and the shared experts' weights have the same names."""
+    moe = make_layer(8, 12, 4, 2, torch.bfloat16, accumulate_into_main_grad=True, num_shared_experts=1)
+    for owner in (moe.experts, moe.shared_experts):
+        for w in (owner.fc1_weight, owner.fc2_weight):
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    module, weight = missing.split(".")
+    del getattr(getattr(moe, module), weight).main_grad
+    with pytest.raises(ValueError, match=rf"^{missing}: accumulate_into_main_grad needs a tensor {missing}\.main_grad"):
+        moe(torch.randn(5, 8, dtype=torch.bfloat16))
+    getattr(getattr(moe, module), weight).main_grad = torch.zeros(3, dtype=torch.float32)
+    with pytest.raises(ValueError, match=rf"^{missing}\.main_grad: expected shape"):
+        moe(torch.randn(5, 8, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize(
     "kwargs,exc,match",
     [

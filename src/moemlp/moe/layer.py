@@ -263,6 +263,7 @@ class MoE(nn.Module):
         # stream of their own (built on the meta device, then given storage).
         self.experts = GroupedMLP(num_experts=self.num_local_experts, ffn_hidden_size=ffn_hidden_size,
                                   **{**mlp_options, "device": "meta" if ep_size > 1 else device})
+        self.experts._owner = "experts."
         if ep_size > 1:
             self.experts.init_offset = self.local_expert_offset
             self.experts.to_empty(device=torch.get_default_device() if device is None else device)
@@ -276,6 +277,7 @@ class MoE(nn.Module):
             self.shared_experts = GroupedMLP(
                 num_experts=1, ffn_hidden_size=num_shared_experts * self.shared_expert_ffn_hidden_size, **mlp_options
             )
+            self.shared_experts._owner = "shared_experts."
         else:
             self.shared_experts = None
         self.shared_expert_gate = SharedExpertGate(hidden_size, device=device) if shared_expert_gate else None
