@@ -468,6 +468,37 @@ def test_unmappable_gate_raises_or_falls_back():
         fn(experts, x, index, weights)
 
 
+def test_unmappable_gate_falls_back_to_eager():
+    """fallback="eager": a module moemlp cannot map runs its own forward (what transformers'
+    experts_implementation="eager" runs), bit for bit, with one warning per class."""
+    cfg_name, kw, _, _, _ = FAMILIES["qwen3_moe"]
+    cfg = getattr(transformers, cfg_name)(**_COMMON, **{**kw, "hidden_act": "gelu"})
+    experts = transformers.Qwen3MoeForCausalLM(cfg).model.layers[0].mlp.experts
+    x = torch.randn(6, HIDDEN)
+    index, weights = _routing(6, 2, 8)
+    weights = weights.float()
+    experts.config._experts_implementation = "eager"
+    want = experts(x, index, weights)
+    fn = mh.register("moemlp_or_eager", fallback="eager")
+    with pytest.warns(UserWarning, match="Qwen3MoeExperts.*'eager'"):
+        y = fn(experts, x, index, weights)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    experts.config._experts_implementation = "moemlp_or_eager"  # transformers' own dispatch to it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per module class
+        torch.testing.assert_close(experts(x, index, weights), want, rtol=0, atol=0)
+
+
+def test_eager_fallback_needs_a_wrapped_forward():
+    """A custom experts module whose forward transformers did not wrap has no forward of its own to
+    fall back to: the error says so, beside why it could not be mapped."""
+    fn = mh.register("moemlp_or_eager_custom", fallback="eager")
+    index, weights = _routing(5, 2, 4)
+    with pytest.raises(ValueError, match="_ClippedExperts: its _apply_gate matches no.*fallback='eager' finds no "
+                                         "forward of its own in _ClippedExperts"):
+        fn(_ClippedExperts(10.0), torch.randn(5, HIDDEN, dtype=torch.float64), index, weights)
+
+
 def test_register_validates():
     with pytest.raises(ValueError, match="name"):
         mh.register("grouped_mm")
@@ -483,7 +514,7 @@ def test_register_validates():
     with pytest.raises(ValueError, match="fallback") as info:  # another moemlp registration is no fallback
         mh.register("moemlp_x", fallback="moemlp")
     known = str(info.value).split(", got")[0]
-    assert "'grouped_mm'" in known and "moemlp" not in known
+    assert "'grouped_mm'" in known and "'eager'" in known and "moemlp" not in known
 
 
 def test_routing_inputs_validated():
@@ -787,6 +818,23 @@ def test_fallback_under_compile_fullgraph():
     mappable = _model("qwen3_moe", torch.float32).model.layers[1].mlp.experts
     with pytest.raises(Exception, match="prepare"):
         traced(mappable, x, index, weights)
+
+
+def test_eager_fallback_under_compile():
+    """fallback="eager" under torch.compile runs the module's own forward in the trace, breaking the
+    graph where that code does (transformers' eager experts loop over the experts hit, a
+    data-dependent count: fullgraph=True refuses it as it refuses experts_implementation="eager")."""
+    fn = mh.register("moemlp_or_eager_compiled", fallback="eager")
+    cfg_name, kw, _, _, _ = FAMILIES["qwen3_moe"]
+    config = getattr(transformers, cfg_name)(**_COMMON, **{**kw, "hidden_act": "gelu"})
+    experts = transformers.Qwen3MoeForCausalLM(config).model.layers[0].mlp.experts
+    assert mh.prepare(experts, strict=False) == {}
+    x = torch.randn(6, HIDDEN)
+    index, weights = _routing(6, 2, 8)
+    weights = weights.float()
+    y = torch.compile(lambda *a: fn(*a), backend="eager")(experts, x, index, weights)
+    experts.config._experts_implementation = "eager"
+    torch.testing.assert_close(y, experts(x, index, weights), rtol=0, atol=0)
 
 
 def test_quantized_expert_weights_refused():

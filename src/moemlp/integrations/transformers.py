@@ -21,8 +21,9 @@ Each experts module is mapped onto grouped_mlp's arguments once (``resolve_exper
 gate. The gate (``_apply_gate``; by default act_fn(first half) · second half) is matched against
 moemlp's activations by evaluating both in float64 on a probe that spans the clamp range, in both
 column layouts (two halves, or gate and up interleaved column by column). A module whose gate
-matches none raises ValueError naming it, or, with ``register(fallback="grouped_mm")``, runs on
-that transformers backend: never a silently different result.
+matches none raises ValueError naming it, or, with ``register(fallback="eager")`` or
+``fallback="grouped_mm"``, runs its own forward or that transformers backend: never a silently
+different result.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def _layout(module) -> tuple[str, bool, bool, int, int]:
         if value != default:
             raise ValueError(
                 f"{cls}: {flag}={value!r} (a transformers experts option) has no moemlp equivalent; "
-                f"use experts_implementation='grouped_mm', or register(fallback='grouped_mm')"
+                f"use experts_implementation='grouped_mm', or register(fallback='eager')"
             )
     has_gate = bool(getattr(module, "has_gate", True))
     fc1_name = "gate_up_proj" if has_gate else "up_proj"
@@ -218,7 +219,7 @@ def _resolve(module) -> ExpertsMapping:
             raise ValueError(
                 f"{type(module).__name__}: could not evaluate its {'_apply_gate' if has_gate else 'act_fn'} "
                 f"on a CPU float64 probe to match it with a moemlp activation ({type(e).__name__}: {e}); "
-                f"use experts_implementation='grouped_mm' or register(fallback='grouped_mm')"
+                f"use experts_implementation='grouped_mm' or register(fallback='eager')"
             ) from e
         layouts = [None]
         if has_gate:
@@ -233,7 +234,7 @@ def _resolve(module) -> ExpertsMapping:
     what = "_apply_gate" if has_gate else f"act_fn ({type(getattr(module, 'act_fn', None)).__name__})"
     raise ValueError(
         f"{type(module).__name__}: its {what} matches no moemlp activation (tried {'; '.join(tried)}); "
-        f"use experts_implementation='grouped_mm', or register(fallback='grouped_mm') to run such modules there"
+        f"use experts_implementation='grouped_mm', or register(fallback='eager') to run such modules there"
     )
 
 
@@ -436,6 +437,19 @@ def _run(module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tens
     return y.to(hidden_states.dtype)
 
 
+def _fallback_forward(module, fallback: str, why: str) -> Callable:
+    """The forward that runs ``module`` on ``fallback``: a transformers backend, or for "eager" the
+    module class's own forward, which transformers' ``use_experts_implementation`` wraps (functools
+    .wraps keeps it as ``__wrapped__``). ValueError when there is none to find."""
+    if fallback != "eager":
+        return ALL_EXPERTS_FUNCTIONS[fallback]
+    own = getattr(type(module).forward, "__wrapped__", None)
+    if own is None:
+        raise ValueError(f"{why}; and fallback='eager' finds no forward of its own in {type(module).__name__} "
+                         f"(its forward is not transformers' use_experts_implementation wrapper)")
+    return own
+
+
 def _make_forward(recipe, backend: str, fallback: Optional[str]) -> Callable:
     warned: set = set()
 
@@ -454,7 +468,7 @@ def _make_forward(recipe, backend: str, fallback: Optional[str]) -> Callable:
                 warned.add(type(self))
                 warnings.warn(f"moemlp: {mapping}; running {type(self).__name__} on {fallback!r} instead",
                               stacklevel=2)
-            return ALL_EXPERTS_FUNCTIONS[fallback](self, hidden_states, top_k_index, top_k_weights)
+            return _fallback_forward(self, fallback, mapping)(self, hidden_states, top_k_index, top_k_weights)
         return _run(self, hidden_states, top_k_index, top_k_weights, mapping, recipe, backend)
 
     return moemlp_experts_forward
@@ -476,9 +490,10 @@ def register(name: str = "moemlp", *, recipe=None, backend: str = "auto", fallba
         name: the experts_implementation name; not one of transformers' own ("eager", "grouped_mm", ...).
         recipe: passed to grouped_mlp: None, "fp8_block", "mxfp8", "nvfp4" or a recipe object.
         backend: "auto", "torch" or "triton", for grouped_mlp and the dispatch gathers.
-        fallback: None (an experts module moemlp cannot map raises ValueError), or the name of a
-            registered transformers backend ("grouped_mm", "batched_mm"; not another moemlp
-            registration) that such modules run on, with one warning per module class at its first
+        fallback: None (an experts module moemlp cannot map raises ValueError), "eager" (such
+            modules run their own forward, the model's code), or the name of a registered
+            transformers backend ("grouped_mm", "batched_mm"; not another moemlp registration) that
+            such modules run on, with one warning per module class at its first
             eager forward (none inside a torch.compile trace: ``prepare(model, strict=False)`` lists
             the modules it maps). Under torch.compile, call ``prepare`` first: a module met first in
             the trace raises ValueError, fallback or not.
@@ -505,8 +520,8 @@ def register(name: str = "moemlp", *, recipe=None, backend: str = "auto", fallba
     if fallback is not None:
         if not isinstance(fallback, str):
             raise TypeError(f"fallback: expected None or a str, got {type(fallback).__name__}")
-        if fallback == name or fallback in _REGISTERED or fallback not in ALL_EXPERTS_FUNCTIONS:
-            known = sorted(k for k in ALL_EXPERTS_FUNCTIONS if k != name and k not in _REGISTERED)
+        if fallback != "eager" and (fallback == name or fallback in _REGISTERED or fallback not in ALL_EXPERTS_FUNCTIONS):
+            known = sorted({"eager"} | {k for k in ALL_EXPERTS_FUNCTIONS if k != name and k not in _REGISTERED})
             raise ValueError(f"fallback: expected None or one of {known}, got {fallback!r}")
     forward = experts_forward if (recipe, backend, fallback) == (None, "auto", None) else _make_forward(
         recipe, backend, fallback
