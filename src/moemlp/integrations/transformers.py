@@ -520,7 +520,8 @@ def register(name: str = "moemlp", *, recipe=None, backend: str = "auto", fallba
     if fallback is not None:
         if not isinstance(fallback, str):
             raise TypeError(f"fallback: expected None or a str, got {type(fallback).__name__}")
-        if fallback != "eager" and (fallback == name or fallback in _REGISTERED or fallback not in ALL_EXPERTS_FUNCTIONS):
+        invalid = fallback == name or fallback in _REGISTERED or fallback not in ALL_EXPERTS_FUNCTIONS
+        if fallback != "eager" and invalid:
             known = sorted({"eager"} | {k for k in ALL_EXPERTS_FUNCTIONS if k != name and k not in _REGISTERED})
             raise ValueError(f"fallback: expected None or one of {known}, got {fallback!r}")
     forward = experts_forward if (recipe, backend, fallback) == (None, "auto", None) else _make_forward(
