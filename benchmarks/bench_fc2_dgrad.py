@@ -151,11 +151,16 @@ def bench_shape(shape, rep_ms: int, depths: list[int], triton_bks: list[int], re
     torch.cuda.empty_cache()
     a = torch.randn(M, H, device=dev, dtype=x.dtype)
     b = torch.randn(H, F, device=dev, dtype=x.dtype)
-    t_mm = time_ms(lambda: torch.mm(a, b), dev, rep_ms=rep_ms).median
     medians = {name: [] for name in paths}
-    for _ in range(rounds):  # each path in turn, so that a drift of the clocks touches every path alike
+    mm_medians = []
+    # Each path in turn, the dense mm too, so that a drift of the clocks touches every path and the
+    # denominator alike (a dense mm ran 20 % slower in do_bench than in one launch under ncu).
+    for _ in range(rounds):
+        mm_medians.append(time_ms(lambda: torch.mm(a, b), dev, rep_ms=rep_ms).median)
         for name, fn in paths.items():
             medians[name].append(time_ms(lambda fn=fn: dprobs_of(fn(g_h, z)), dev, rep_ms=rep_ms).median)
+    t_mm = sorted(mm_medians)[len(mm_medians) // 2]
+    row["mm_ms"] = t_mm
     for name, ts in medians.items():
         row[f"{name}_ms"] = sorted(ts)[len(ts) // 2]
         row[f"{name}_pct_mm"] = 100.0 * t_mm / row[f"{name}_ms"]
