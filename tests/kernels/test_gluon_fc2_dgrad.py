@@ -452,6 +452,37 @@ def test_launch_binds_each_tensor_to_its_parameter(monkeypatch, out_dtype, with_
     assert (bound["p0"], bound["p1"], bound["p2"]) == (0.5, 0.25, 0.125)
 
 
+@needs_gluon
+@pytest.mark.parametrize(
+    "H, rows, G, cooperative, regs",
+    [
+        pytest.param(4096, 1024, 128, True, True, id="coop-K4096-register"),
+        pytest.param(4096 + 128, 1024, 128, True, False, id="coop-K4224-staged"),
+        pytest.param(6144, 1024, 128, True, False, id="coop-K6144-staged"),
+        pytest.param(4096, 512, 128, False, False, id="pingpong-staged"),
+        pytest.param(2048, 1024, 64, True, False, id="coop-G64-staged"),
+    ],
+)
+def test_default_tiles_and_epilogue(monkeypatch, H, rows, G, cooperative, regs):
+    """With cooperative and register_epilogue left to the launcher: cooperative 128-row tiles where
+    the experts average DGRAD_COOPERATIVE_ROWS rows, and on them the epilogue in the accumulator's
+    layout only where K = H <= DGRAD_REGISTER_MAX_K and G is a multiple of 128 (bound on the CPU)."""
+    from _sm90 import bound_gluon_launch
+    from moemlp.kernels.gluon import fc2_dgrad
+
+    assert _launch.DGRAD_COOPERATIVE_ROWS == 1024 and _launch.DGRAD_REGISTER_MAX_K == 4096
+    E, F = 2, 128
+    M = E * rows
+    dy, w2 = torch.zeros(M, H, dtype=torch.bfloat16), torch.zeros(E, H, F, dtype=torch.bfloat16)
+    h, g_h = torch.zeros(M, 2 * F, dtype=torch.bfloat16), torch.zeros(M, 2 * F, dtype=torch.bfloat16)
+    z, probs = torch.zeros(M, F, dtype=torch.bfloat16), torch.zeros(M)
+    splits = torch.tensor([rows] * E, dtype=torch.int32)
+    _, _, kw = bound_gluon_launch(monkeypatch, lambda: fc2_dgrad(
+        dy, w2, splits, h, g_h, z=z, probs=probs, dprobs_partials=True, glu_interleave=G, activation_id=0,
+        params=(0.0, 0.0, 0.0)))  # fmt: skip
+    assert (kw["A_PARTS"] == 2, kw["REGS"], kw["EPI_WG"]) == (cooperative, regs, False)
+
+
 @pytest.mark.parametrize("name", ["cooperative", "register_epilogue", "epilogue_warpgroup"])
 @pytest.mark.parametrize("value", [1, "yes"])
 def test_tile_and_epilogue_choices_are_checked(name, value):
