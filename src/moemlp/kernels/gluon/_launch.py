@@ -310,12 +310,6 @@ DGRAD_COOPERATIVE_ROWS = 1024
 # (1.15x), level at deepseek-v3, 0.85x qwen3's ping-pong, and no step beyond its noise (docs/DECISIONS.md,
 # "FC2_DGRAD's epilogue on a third, MMA-free warpgroup").
 DGRAD_EPILOGUE_WARPGROUP = False
-# FC2_DGRAD's default epilogue on cooperative tiles: in the accumulator's layout up to this K (= H), staged
-# through an fp32 shared tile beyond it. The register form ran 1.01-1.05x at K = 4096 and 0.95-0.97x at
-# K = 6144 and 7168, where the longer K loop leaves the epilogue less of each tile's time to save and
-# its 96 KiB of bf16 tiles take 32 KiB more shared memory than the staging tile (docs/DECISIONS.md,
-# "FC2_DGRAD's cooperative epilogue by K").
-DGRAD_REGISTER_MAX_K = 4096
 # The GLU kinds the fused epilogue implements (ActivationSpec.kernel_id): swiglu, clamped_swiglu.
 DGRAD_ACTIVATIONS = (0, 1)
 
@@ -430,8 +424,8 @@ def fc2_dgrad(
     DGRAD_COOPERATIVE_ROWS rows (M / E, no device read). ``register_epilogue``: the epilogue in the
     accumulator's layout (True; a ValueError where it cannot take these tensors) or staged through an
     fp32 shared tile (False), the same g_h and z bits, the dprobs partials summed in another order;
-    None: in the accumulator's layout on cooperative tiles where it applies and H ≤ DGRAD_REGISTER_MAX_K,
-    staged otherwise (docs/DECISIONS.md, "FC2_DGRAD's cooperative epilogue by K"). ``epilogue_warpgroup``:
+    None: in the accumulator's layout on cooperative tiles where it applies, staged otherwise
+    (docs/DECISIONS.md, "FC2_DGRAD's epilogue in the accumulator's layout"). ``epilogue_warpgroup``:
     cooperative tiles whose two consumers run only mainloops and hand each tile's fp32 g_z to a third
     warpgroup that runs the staged epilogue meanwhile (bf16 only; True with fp8_block, with
     ``cooperative=False`` or with ``register_epilogue=True`` is a ValueError); the same g_h and z bits
@@ -487,12 +481,10 @@ def fc2_dgrad(
     why_not_regs = _register_epilogue_why(h, g_h, z, glu_interleave, scaled)
     if register_epilogue and why_not_regs:
         raise ValueError(f"fc2_dgrad: the register epilogue cannot take these tensors: {why_not_regs}")
-    # By default only on cooperative tiles, whose epilogue nothing else overlaps, and there only up to
-    # DGRAD_REGISTER_MAX_K; in ping-pong, where the other warpgroup's mainloop already hides the
-    # staged epilogue, it ran 0.96-0.98x.
-    if register_epilogue is None:
-        register_epilogue = cooperative and H <= DGRAD_REGISTER_MAX_K
-    regs = register_epilogue and not why_not_regs
+    # By default only on cooperative tiles, whose epilogue nothing else overlaps: there it ran 1.05x
+    # on mixtral and level on deepseek-v3; in ping-pong, where the other warpgroup's mainloop already
+    # hides the staged epilogue, 0.96-0.98x.
+    regs = (cooperative if register_epilogue is None else register_epilogue) and not why_not_regs
     N1 = h.shape[1]
     partial = torch.empty((-(-F // BN), M), dtype=torch.float32, device=dy.device) if dprobs_partials else None
     if M == 0 or F == 0:
