@@ -242,6 +242,29 @@ def test_bench_parts_fp8_gpu(tmp_path, capsys):
     assert "part by part" in capsys.readouterr().out
 
 
+def test_bracketed_ms_times_the_reference_on_both_sides(monkeypatch):
+    """bracketed_ms: the reference timed, then the function, then the reference again; the
+    reference's time is the mean of its two medians (a reference that slowed from 1 to 3 ms reads 2)."""
+    from moemlp.bench import common
+
+    calls = []
+
+    def fake_time_ms(fn, device, *, warmup_ms=25, rep_ms=100):
+        calls.append(fn)
+        t = {"fn": 5.0, "ref": 1.0 if calls.count(ref) == 1 else 3.0}[fn.__name__]
+        return common.Timing(t, t, t, 1)
+
+    def fn():
+        pass
+
+    def ref():
+        pass
+
+    monkeypatch.setattr(common, "time_ms", fake_time_ms)
+    assert common.bracketed_ms(fn, ref, torch.device("cpu"), rep_ms=7) == (5.0, 2.0)
+    assert calls == [ref, fn, ref]
+
+
 def test_gpu_time_is_nan_off_a_gpu():
     from moemlp.bench.common import gpu_time_ms
 

@@ -158,6 +158,17 @@ def median_ms(fn: Callable[[], object], device: torch.device, *, warmup_ms=25, r
     return time_ms(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms).median
 
 
+def bracketed_ms(fn: Callable[[], object], ref: Callable[[], object], device: torch.device, *,
+                 rep_ms=100) -> tuple[float, float]:
+    """(median ms of ``fn``, of ``ref``), ``ref`` timed just before and just after ``fn`` and its two
+    medians averaged: a ratio of the two then carries no clock drift between a reference timed once
+    and a kernel timed later (the GPU's clocks move with its temperature and power over seconds)."""
+    before = time_ms(ref, device, rep_ms=rep_ms).median
+    t = time_ms(fn, device, rep_ms=rep_ms).median
+    after = time_ms(ref, device, rep_ms=rep_ms).median
+    return t, (before + after) / 2
+
+
 _SLEEP_CYCLES_PER_MS: dict[int, float] = {}
 
 

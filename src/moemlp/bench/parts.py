@@ -14,7 +14,8 @@ The six GEMMs (M routed rows, H hidden, F per-expert FFN, N1 = 2F):
   fc1_wgrad   dW1[e] = g_hᵀ @ x       per expert (N1, R_e) × (R_e, H)
   fc2_wgrad   dW2[e] = dyᵀ @ z        per expert (H, R_e) × (R_e, F)
 
-``% of mm`` is t(dense torch.mm of the same FLOPs) / t(kernel) · 100: 100 is a dense GEMM's speed.
+``% of mm`` is t(dense torch.mm of the same FLOPs) / t(kernel) · 100: 100 is a dense GEMM's speed;
+the mm is timed just before and just after its kernel and the two medians averaged (``bracketed_ms``).
 ``% of bound`` is the kernel's lower bound over its time: the bound is the larger of that dense mm's
 time and the time the GEMM's unavoidable bytes (``min_bytes``: each operand read once, each output
 written once, every expert's weights included) take at the copy bandwidth measured in the same run
@@ -36,7 +37,7 @@ import torch
 
 from .._config import MLPConfig
 from ..activations import ACTIVATIONS
-from .common import device_description, print_table, routed_problem, time_ms, write_csv
+from .common import bracketed_ms, device_description, print_table, routed_problem, time_ms, write_csv
 from .peers import _grouped_mm_ok
 
 __all__ = ["run_parts_bench", "run_fp8_parts_bench", "min_bytes", "copy_gbps", "GEMMS", "FP8_PARTS"]
@@ -162,8 +163,7 @@ def run_parts_bench(shapes, device: torch.device, out_dir: str, rep_ms: int) -> 
             a = torch.randn(a_shape, device=device, dtype=x.dtype)
             b = torch.randn(b_shape, device=device, dtype=x.dtype)
             flops = 2.0 * a_shape[0] * a_shape[1] * b_shape[1]
-            t_mm = time_ms(lambda: torch.mm(a, b), device, rep_ms=rep_ms).median
-            t_k = time_ms(kernel, device, rep_ms=rep_ms).median
+            t_k, t_mm = bracketed_ms(kernel, lambda: torch.mm(a, b), device, rep_ms=rep_ms)
             nbytes = min_bytes(name, M, H, F, shape.experts)
             t_bytes = nbytes / gbps / 1e6
             row = {
@@ -323,7 +323,16 @@ def _fp8_shape_rows(shape, r, device: torch.device, rep_ms: int) -> list[dict]:
         "wgrad quant dy, z": M * (H * (2 + 1) + F * (4 + 1)),
         "quant W1, both layouts": w1.numel() * (2 + 2), "quant W2, both layouts": w2.numel() * (2 + 2),
     }  # fmt: skip
-    t_all = {name: time_ms(fns[name], device, rep_ms=rep_ms).median for name, _ in FP8_PARTS}
+    t_all, t_mm_of = {}, {}
+    for name, kind in FP8_PARTS:  # each GEMM between two timings of its dense mm
+        if kind == "gemm":
+            a_shape, b_shape = gemms[name][:2]
+            a = torch.randn(a_shape, device=device, dtype=x.dtype)
+            b = torch.randn(b_shape, device=device, dtype=x.dtype)
+            t_all[name], t_mm_of[name] = bracketed_ms(fns[name], lambda: torch.mm(a, b), device, rep_ms=rep_ms)
+            del a, b
+        else:
+            t_all[name] = time_ms(fns[name], device, rep_ms=rep_ms).median
     step = sum(t for (name, kind), t in zip(FP8_PARTS, t_all.values()) if kind != "weights")
     for name, kind in FP8_PARTS:
         t = t_all[name]
@@ -332,10 +341,7 @@ def _fp8_shape_rows(shape, r, device: torch.device, rep_ms: int) -> list[dict]:
         if kind == "gemm":
             a_shape, b_shape, gemm_kind, operand, weight = gemms[name]
             flops = 2.0 * a_shape[0] * a_shape[1] * b_shape[1]
-            a = torch.randn(a_shape, device=device, dtype=x.dtype)
-            b = torch.randn(b_shape, device=device, dtype=x.dtype)
-            t_mm = time_ms(lambda: torch.mm(a, b), device, rep_ms=rep_ms).median
-            row.update(tflops=flops / t / 1e9, pct_mm=100.0 * t_mm / t)
+            row.update(tflops=flops / t / 1e9, pct_mm=100.0 * t_mm_of[name] / t)
             if gemm_kind is None:
                 g_op, t_op = ops[operand]
                 engine = operands.fp8_wgrad_engine(g_op, t_op, splits, weight)
